@@ -1,0 +1,136 @@
+"""The reference Llama: a plain, unsharded decoder that every plan is checked against.
+
+Nothing here knows about parallelism. Passes find the pieces by name (`layers.N.attention.wq`,
+`layers.N.attention.core`, ...) and shard or replace them; view shapes use -1 for the head count
+so the same code runs on a tensor-parallel shard of the heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtmega.init import InitSpec, init_parameters
+from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.rope import apply_rope, rope_cache
+
+
+class CoreAttention(nn.Module):
+    """Causal softmax attention over [B, S, H, D] heads (GQA-aware).
+
+    A module of its own so that recompute and context parallelism can find and wrap or
+    replace exactly the attention core.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.core = CoreAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        out = self.core(apply_rope(q, rope), apply_rope(k, rope), v)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-3 decoder. Build it under `torch.device("meta")`, shard it, then `init_weights()`."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+
+    def _rope_cache(self, device=None) -> torch.Tensor:
+        c = self.config
+        return rope_cache(c.max_seq_len, c.head_dim, c.rope_theta, c.rope_scaling, device=device)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids [B, S]; position_ids [B, S] default to 0..S-1."""
+        seq = tokens.shape[1]
+        if position_ids is None:
+            rope = self.rope_cache[:seq].unsqueeze(0)
+        else:
+            rope = self.rope_cache[position_ids]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, rope)
+        return self.output(self.norm(h))
+
+    def init_spec(self, name: str, param: nn.Parameter) -> InitSpec:
+        """Megatron's scheme: N(0, std) everywhere, output projections of each block scaled by
+        1/sqrt(2 * n_layers), norms at one."""
+        std = self.config.init_std
+        if param.ndim == 1:
+            return InitSpec("ones")
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return InitSpec("trunc_normal", std / math.sqrt(2 * self.config.n_layers))
+        if name == "tok_embeddings.weight":
+            return InitSpec("normal", std)
+        return InitSpec("trunc_normal", std)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initializes parameters in place (sharded or not: same values) and rebuilds buffers."""
+        if self.config.tie_embeddings:  # to_empty() unties shared parameters
+            self.output.weight = self.tok_embeddings.weight
+        init_parameters(self, self.init_spec, seed=seed)
+        device = buffer_device or self.rope_cache.device
+        if device.type == "meta":
+            return
+        self.rope_cache = self._rope_cache(device)

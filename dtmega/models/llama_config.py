@@ -1,0 +1,88 @@
+"""Configuration of the reference Llama and its named sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling of RoPE (stretches long wavelengths for long context)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-family decoder: GQA attention, RoPE, SwiGLU MLP, RMSNorm."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    ffn_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    max_seq_len: int = 131072
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} "
+                "(every query group needs the same number of heads)"
+            )
+        if (self.dim // self.n_heads) % 2:
+            problems.append(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("invalid LlamaConfig: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    def replace(self, **changes) -> "LlamaConfig":
+        """A copy with some fields changed (configs are frozen so plans can hash them)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Exact parameter count, computed from the shapes alone (no model is built)."""
+        hd = self.head_dim
+        attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return embeddings + self.n_layers * per_layer + self.dim
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "LlamaConfig":
+        """A named size (`debug`, `llama3-8b`, `llama3-70b`, `llama3-405b`), optionally overridden."""
+        if name not in NAMED_CONFIGS:
+            raise KeyError(f"unknown Llama config {name!r}; known: {', '.join(sorted(NAMED_CONFIGS))}")
+        return dataclasses.replace(NAMED_CONFIGS[name], **overrides)
+
+
+NAMED_CONFIGS: dict[str, LlamaConfig] = {
+    # Tiny, for tests and laptops: every size divides TP=4 and the 4 layers split over PP=4.
+    "debug": LlamaConfig(
+        dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128,
+        rope_theta=10000.0, rope_scaling=None, max_seq_len=512,
+    ),
+    "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+}

@@ -1,0 +1,192 @@
+"""ParallelModel: what `parallelize` returns. One `forward_backward` for every plan."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from dtmega.batch import unpack_batch
+from dtmega.kernels import cross_entropy_context, per_token_cross_entropy
+from dtmega.passes import Layout, Plan, PlanError, Program
+from dtmega.passes.families import default_logits
+from dtmega.passes.render import layout_table
+from dtmega.passes.tp_styles import STYLES
+
+TP_STYLES = {name for name, style in STYLES.items() if style.owner == "tensor_parallel"}
+
+
+class ParallelModel:
+    """A model sharded by a plan: the transformed `module`, its `layout`, and a training step.
+
+    `forward_backward(batch)` takes this data-parallel rank's batch, accumulates gradients
+    into the parameters, and returns the loss of the *global* batch (the same value on every
+    rank): the token-weighted mean cross entropy over all data-parallel ranks, exactly as the
+    unsharded model computes it on the concatenated batch.
+    """
+
+    def __init__(self, program: Program, plan: Plan):
+        self.program = program
+        self.plan = plan
+
+    # ---- what the plan produced ---------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The sharded nn.Module (parameters are DTensors where a pass sharded them)."""
+        return self.program.model
+
+    @property
+    def layout(self) -> Layout:
+        """Every module's placements, stage, recompute, kernel and precision."""
+        return self.program.layout
+
+    @property
+    def mesh(self):
+        """The DeviceMesh the model is sharded over."""
+        return self.program.mesh
+
+    @property
+    def log(self) -> list[str]:
+        """What each pass did, in order."""
+        return list(self.program.log)
+
+    def report(self, *, fold: bool = True) -> Table:
+        """A rich table of the layout with bytes per rank (`rich.print(pm.report())`)."""
+        return layout_table(self.layout, fold=fold, title=f"{type(self.module).__name__} on {self.layout.mesh}")
+
+    def parameters(self):
+        """The (sharded) parameters, for the optimizer."""
+        return self.module.parameters()
+
+    def named_parameters(self):
+        """(name, sharded parameter) pairs; names are the unsharded model's."""
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModel":
+        return self.train(False)
+
+    # ---- data-parallel coordinates ------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (dp_replicate x dp_shard)."""
+        return self.layout.mesh.get("dp_replicate", 1) * self.layout.mesh.get("dp_shard", 1)
+
+    def _dp_mesh(self):
+        return self.program.submesh("dp_replicate", "dp_shard", flatten="dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks."""
+        return self._dp_mesh().get_local_rank() if self.dp_size > 1 else 0
+
+    def shard_batch(self, global_batch: TensorDict) -> TensorDict:
+        """This data-parallel rank's slice of a global batch (every rank passes the same one)."""
+        size = global_batch.batch_size[0]
+        if size % self.dp_size:
+            raise PlanError(
+                f"a global batch of {size} sequences does not split over {self.dp_size} data-parallel "
+                f"ranks. Fix: use a batch size that is a multiple of {self.dp_size}"
+            )
+        return global_batch.chunk(self.dp_size, dim=0)[self.dp_rank]
+
+    # ---- compute ------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `tokens` (vocab-sharded DTensor under tensor parallelism)."""
+        logits_fn = self.program.family.logits if self.program.family else default_logits
+        return logits_fn(self.module, tokens, position_ids)
+
+    __call__ = forward
+
+    def _dp_all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(value, group=self._dp_mesh().get_group())
+        return value
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
+
+    def forward_backward(self, batch: TensorDict, microbatches: int = 1) -> torch.Tensor:
+        """Forward and backward over this rank's `batch` (split into `microbatches` for gradient
+        accumulation); returns the detached global mean loss."""
+        vocab = self.program.facts.vocab_size if self.program.family else None
+        fields = unpack_batch(batch, vocab).split(microbatches)
+        device = fields[0].tokens.device
+        tokens_with_loss = self._dp_all_reduce(sum(f.loss_mask.sum() for f in fields).to(torch.float32))
+        if float(tokens_with_loss) == 0:
+            raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
+        # DataParallel averages gradients over its ranks, so each rank scales by dp_size.
+        scale = self.dp_size / tokens_with_loss
+        loss_sum = torch.zeros((), device=device)
+        for index, chunk in enumerate(fields):
+            self._set_gradient_sync(index == len(fields) - 1)
+            logits = self.forward(chunk.tokens, chunk.position_ids)
+            with cross_entropy_context(logits):
+                losses = per_token_cross_entropy(logits, chunk.labels)
+                chunk_sum = (losses * chunk.loss_mask).sum()
+                (chunk_sum * scale).backward()
+            loss_sum += chunk_sum.detach()
+        return self._dp_all_reduce(loss_sum) / tokens_with_loss
+
+    def compile(self, **kwargs) -> "ParallelModel":
+        """`torch.compile`s every transformer block in place (parameter names unchanged);
+        keyword arguments go to torch.compile (e.g. backend="inductor" or "aot_eager").
+
+        Blocks, not the whole model: on torch 2.13, Dynamo/AOT autograd fail on the whole
+        tensor-parallel model for some shapes ("Mixing fake modes" at the vocab-parallel
+        embedding, invalid tangents in backward), while per-block graphs are stable. For the
+        same reason tensor parallelism needs SequenceParallel here: compiled TP blocks with
+        replicated activations crash in backward for some shapes. Shapes are static unless
+        `dynamic` is given (training shapes are fixed).
+        """
+        has_tp = any(e.style in TP_STYLES for e in self.layout.modules.values())
+        has_sp = any(e.style == "sequence_norm" for e in self.layout.modules.values())
+        if has_tp and not has_sp:
+            raise PlanError(
+                "compile() of a tensor-parallel model needs SequenceParallel in the plan: on torch "
+                "2.13 compiled TP blocks with replicated activations crash in backward for some "
+                "shapes. Fix: add SequenceParallel() after TensorParallel(), or run without compile"
+            )
+        kwargs.setdefault("dynamic", False)
+        for fqn in self.program.blocks():
+            self.program.module(fqn).compile(**kwargs)
+            self.layout[fqn].kernel = f"compiled ({kwargs.get('backend', 'inductor')})"
+        return self
+
+    # ---- weights ------------------------------------------------------------------------------
+    def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> None:
+        """Materializes meta parameters on `device` and initializes them; the values equal the
+        unsharded model's `init_weights(seed)` whatever the plan."""
+        if device is None:
+            device = self.mesh.device_type if self.mesh is not None else "cpu"
+        if any(p.is_meta for p in self.module.parameters()) or any(b.is_meta for b in self.module.buffers()):
+            self.module.to_empty(device=device)
+        init = getattr(self.module, "init_weights", None)
+        if init is None:
+            raise NotImplementedError(
+                f"{type(self.module).__name__} has no init_weights(seed, buffer_device); load weights "
+                "with load_full_state_dict instead"
+            )
+        init(seed=seed, buffer_device=torch.device(device))
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads unsharded weights (every rank passes the same dict); each rank keeps its shard."""
+        set_model_state_dict(
+            self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=True)
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights, gathered on every rank (small models, tests, export)."""
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))

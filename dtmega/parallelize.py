@@ -1,0 +1,40 @@
+"""`parallelize(model, mesh, plan)`: annotate every pass, validate, then apply every pass."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtmega.parallel_model import ParallelModel
+from dtmega.passes import Layout, PassManager, Plan, PlanError, Program
+
+
+def _as_plan(plan: Plan | list) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (list, tuple)):
+        return Plan(plan)
+    raise PlanError(f"plan must be a dtmega.Plan (or a list of passes), got {type(plan).__name__}")
+
+
+def check_plan(model: nn.Module, mesh: DeviceMesh | dict[str, int], plan: Plan | list) -> Layout:
+    """Annotates `plan` on `model` without touching a tensor or a process group and returns the
+    layout. `mesh` may be {axis: size}: a plan for 1024 ranks is checked on a laptop."""
+    program = Program.build(model, mesh)
+    PassManager(_as_plan(plan).passes).annotate(program)
+    return program.layout
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan | list) -> ParallelModel:
+    """Shards `model` (unsharded, possibly on the meta device) over `mesh` as `plan` says.
+
+    Every pass annotates first; only when the whole plan checks out is anything materialized,
+    so a bad plan raises PlanError on every rank before any collective. Assumes every rank
+    passes the same model (same weights, or meta); sharding keeps each rank's slice.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise PlanError(f"mesh must be a DeviceMesh from dtmega.make_mesh(...), got {type(mesh).__name__}")
+    plan = _as_plan(plan)
+    program = Program.build(model, mesh)
+    PassManager(plan.passes).run(program)
+    return ParallelModel(program, plan)

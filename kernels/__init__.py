@@ -1,0 +1,6 @@
+"""dtmega.kernels: the leaf layer. Hot-path ops with a plain-PyTorch reference; imports nothing
+of dtmega's."""
+
+from dtmega.kernels.cross_entropy import cross_entropy_context, is_vocab_sharded, per_token_cross_entropy
+
+__all__ = ["cross_entropy_context", "is_vocab_sharded", "per_token_cross_entropy"]

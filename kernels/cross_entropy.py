@@ -1,0 +1,43 @@
+"""Per-token cross entropy, on plain logits or on vocab-sharded (tensor-parallel) logits.
+
+Vocab-sharded logits never get gathered: under tensor parallelism the max, the log-sum-exp and
+the target logit are reduced across the vocab shards (torch's `loss_parallel`), so peak memory
+stays at [tokens, vocab / tp].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+
+def is_vocab_sharded(logits: torch.Tensor) -> bool:
+    """True if `logits` is a DTensor sharded along its last (vocab) dim."""
+    if not isinstance(logits, DTensor):
+        return False
+    last = logits.ndim - 1
+    return any(isinstance(p, Shard) and p.dim in (-1, last) for p in logits.placements)
+
+
+@contextlib.contextmanager
+def cross_entropy_context(logits: torch.Tensor) -> Iterator[None]:
+    """The context both the loss forward and its backward must run in (vocab-parallel needs it)."""
+    with loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext():
+        yield
+
+
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits)[label] for every token, fp32, as a plain [B, S] tensor.
+
+    Call inside `cross_entropy_context(logits)`.
+    """
+    batch, seq = labels.shape
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    if isinstance(losses, DTensor):
+        losses = losses.to_local()
+    return losses.view(batch, seq)

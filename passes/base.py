@@ -1,0 +1,102 @@
+"""The pass protocol: a dataclass config with an `annotate` half and an `apply` half.
+
+`annotate(program)` is pure: it reads the model's structure and the mesh shape and writes the
+layout (or raises PlanError). `apply(program)` materializes what was annotated. A pass declares
+the capabilities it `provides`, those it `requires` from earlier passes, and those it must run
+`after` whenever the plan contains them. `{axis}` in a capability is filled from the pass's
+own `axis` field, so "sequence parallel needs tensor parallel *on the same axis*" is one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, ClassVar
+
+from dtmega.passes.errors import PlanError
+from dtmega.passes.program import Program
+from dtmega.passes.rules import Rule
+
+_PASS_TYPES: dict[str, type["Pass"]] = {}
+
+
+class Pass:
+    """Base class of every pass. Subclasses are dataclasses; their fields are the pass's config."""
+
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _PASS_TYPES[cls.__name__] = cls
+
+    # ---- the two halves -----------------------------------------------------------------------
+    def annotate(self, program: Program) -> None:
+        """Writes this pass's decisions into `program.layout`; raises PlanError if it cannot."""
+        raise NotImplementedError
+
+    def apply(self, program: Program) -> None:
+        """Materializes the decisions `annotate` wrote (shards, wraps, swaps modules)."""
+        raise NotImplementedError
+
+    # ---- declarations -------------------------------------------------------------------------
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Mesh axes this pass parallelizes over (each axis of size > 1 needs an owner)."""
+        axis = getattr(self, "axis", None)
+        return (axis,) if axis else ()
+
+    def _fill(self, capabilities: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(c.format(axis=getattr(self, "axis", "")) for c in capabilities)
+
+    def provided(self) -> tuple[str, ...]:
+        """Capabilities this pass provides, with `{axis}` filled in."""
+        return self._fill(self.provides)
+
+    def required(self) -> tuple[str, ...]:
+        """Capabilities that an earlier pass must provide."""
+        return self._fill(self.requires)
+
+    def runs_after(self) -> tuple[str, ...]:
+        """Capability globs that, if any pass in the plan provides them, must come earlier."""
+        return self._fill(self.after)
+
+    # ---- config -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The pass's class name, as plans spell it."""
+        return type(self).__name__
+
+    def to_dict(self) -> dict[str, Any]:
+        """The pass's config as plain data (TOML-ready)."""
+        data: dict[str, Any] = {"pass": self.name}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], Rule):
+                value = [rule.to_dict() for rule in value]
+            data[f.name] = value
+        return data
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Pass":
+        """Builds a pass from `to_dict` output; the pass class must have been imported."""
+        data = dict(data)
+        name = data.pop("pass", None)
+        if name not in _PASS_TYPES:
+            raise PlanError(
+                f"unknown pass {name!r}; known passes: {', '.join(sorted(_PASS_TYPES))}. "
+                "A custom pass must be imported before the plan is read"
+            )
+        cls = _PASS_TYPES[name]
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - known
+        if unknown:
+            raise PlanError(f"{name} has no option(s) {sorted(unknown)}; its options are {sorted(known)}")
+        return cls(**data)
+
+
+def matches_capability(pattern: str, capability: str) -> bool:
+    """Capability globs: 'tensor_parallel@*' matches 'tensor_parallel@tp'."""
+    return fnmatch.fnmatchcase(capability, pattern)

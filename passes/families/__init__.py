@@ -1,0 +1,94 @@
+"""Model families: what the compiler knows about a kind of model without editing it.
+
+A family recognizes a model class, reads its shape facts (heads, vocab, blocks), carries the
+built-in TP/SP rule sets, and knows how to call the model to get logits. dtmega's Llama,
+torchtitan's llama3 and Hugging Face's LlamaForCausalLM are built in; a user registers
+another with `register_family`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dtmega.passes.rules import Rule
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Shape facts every pass may check constraints against."""
+
+    family: str
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    dim: int
+    ffn_dim: int
+    blocks: tuple[str, ...]
+    embedding: str
+    output: str
+    final_norm: str
+    tied_embeddings: bool = False
+
+    @property
+    def n_layers(self) -> int:
+        """Number of transformer blocks."""
+        return len(self.blocks)
+
+
+def default_logits(module: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Calls `module(tokens)` and unwraps `.logits` if the model returns an output object."""
+    out = module(tokens)
+    return getattr(out, "logits", out)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A kind of model the passes know how to shard without edits."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    describe: Callable[[nn.Module], ModelFacts]
+    tp_rules: tuple[Rule, ...]
+    sp_rules: tuple[Rule, ...]
+    logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] = default_logits
+    attention_core: str | None = None  # FQN of the attention-core module, relative to a block
+
+
+_FAMILIES: list[ModelFamily] = []
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Makes `family` known to every pass; a later registration of the same name replaces it."""
+    _FAMILIES[:] = [f for f in _FAMILIES if f.name != family.name]
+    _FAMILIES.append(family)
+    return family
+
+
+def family_of(model: nn.Module) -> ModelFamily | None:
+    """The registered family that recognizes `model`, or None."""
+    _load_builtin_families()
+    for family in reversed(_FAMILIES):
+        if family.matches(model):
+            return family
+    return None
+
+
+def known_families() -> list[str]:
+    """Names of the registered families."""
+    _load_builtin_families()
+    return [f.name for f in _FAMILIES]
+
+
+def is_class(model: nn.Module, module_prefix: str, class_name: str) -> bool:
+    """Class test by name, so a family never imports the library it describes."""
+    return any(
+        cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(model).__mro__
+    )
+
+
+def _load_builtin_families() -> None:
+    from dtmega.passes.families import hf_llama, torchtitan_llama  # noqa: F401  (register on import)

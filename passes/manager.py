@@ -1,0 +1,105 @@
+"""The pass manager: check the plan, annotate everything, then apply everything.
+
+Every check here runs on facts every rank shares (the plan, the model's shapes, the mesh
+shape), before any parameter is materialized or any collective is issued, so a bad plan
+fails with the same message on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dtmega.passes.base import Pass, matches_capability
+from dtmega.passes.errors import PlanError
+from dtmega.passes.program import Program
+
+# What an axis is for, to make "nobody uses this axis" errors actionable.
+_AXIS_OWNERS = {
+    "pp": "a pipeline pass (planned)",
+    "dp_replicate": "DataParallel(mode='hsdp') or DataParallel(mode='ddp')",
+    "dp_shard": "DataParallel(mode='fsdp')",
+    "cp": "a context-parallel pass (planned)",
+    "tp": "TensorParallel(axis='tp')",
+}
+
+
+def check_order(passes: Sequence[Pass]) -> None:
+    """Raises PlanError if a pass lacks a prerequisite, runs too early, or repeats a capability."""
+    provided_by: dict[str, str] = {}
+    for index, current in enumerate(passes):
+        for needed in current.required():
+            if needed not in provided_by:
+                later = [p.name for p in passes[index + 1:] if needed in p.provided()]
+                hint = (
+                    f"move {later[0]} before {current.name}" if later
+                    else f"add a pass that provides it before {current.name}"
+                )
+                raise PlanError(f"{current.name} requires {needed!r}, which no earlier pass provides. Fix: {hint}")
+        for pattern in current.runs_after():
+            for later in passes[index + 1:]:
+                hits = [c for c in later.provided() if matches_capability(pattern, c)]
+                if hits:
+                    raise PlanError(
+                        f"passes out of order: {current.name} must run after {later.name} "
+                        f"({current.name} wraps or consumes what {later.name} produces: {hits[0]}). "
+                        f"Fix: put {later.name} before {current.name} in the plan"
+                    )
+        for capability in current.provided():
+            if capability in provided_by:
+                raise PlanError(
+                    f"{current.name} and {provided_by[capability]} both provide {capability!r}; "
+                    "keep one of them"
+                )
+            provided_by[capability] = current.name
+
+
+def check_axes(passes: Sequence[Pass], mesh_shape: dict[str, int]) -> None:
+    """Every pass's axes exist, and every mesh axis of size > 1 is used by some pass."""
+    used: dict[str, str] = {}
+    for current in passes:
+        for axis in current.mesh_axes():
+            if axis not in mesh_shape:
+                raise PlanError(
+                    f"{current.name} uses mesh axis {axis!r}, but the mesh has only {list(mesh_shape)}"
+                )
+            used.setdefault(axis, current.name)
+    for axis, size in mesh_shape.items():
+        if size > 1 and axis not in used:
+            owner = _AXIS_OWNERS.get(axis, "a pass that uses it")
+            raise PlanError(
+                f"mesh axis {axis!r} has size {size} but no pass in the plan uses it, so its ranks "
+                f"would silently compute the same or diverging things. Fix: add {owner} to the plan, "
+                f"or build the mesh with {axis}=1"
+            )
+
+
+class PassManager:
+    """Runs a sequence of passes over a program: checks, annotate all, apply all."""
+
+    def __init__(self, passes: Sequence[Pass]):
+        for p in passes:
+            if not isinstance(p, Pass):
+                raise PlanError(f"{p!r} is not a pass; a plan holds instances such as TensorParallel()")
+        self.passes = list(passes)
+
+    def annotate(self, program: Program) -> None:
+        """Checks the plan and writes the whole layout. Pure: no tensor is touched."""
+        check_order(self.passes)
+        check_axes(self.passes, program.mesh_shape)
+        for current in self.passes:
+            current.annotate(program)
+            program.note(f"annotated {current.name}")
+
+    def apply(self, program: Program) -> None:
+        """Materializes the annotated layout, pass by pass in plan order."""
+        if program.mesh is None:
+            raise RuntimeError("apply needs a DeviceMesh; this program was built for annotation only")
+        for current in self.passes:
+            current.apply(program)
+            program.note(f"applied {current.name}")
+
+    def run(self, program: Program) -> Program:
+        """annotate, then apply."""
+        self.annotate(program)
+        self.apply(program)
+        return program

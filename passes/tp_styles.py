@@ -1,0 +1,227 @@
+"""Tensor- and sequence-parallel styles: how one module is annotated, and the torch
+`ParallelStyle` that materializes the annotation.
+
+Layout strings are the contract between the halves: `inputs`/`outputs` hold "src->dst" when a
+redistribution happens at the module boundary (e.g. "P->S(1)" is a reduce-scatter) and a lone
+placement when the activation passes through as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from dtmega.passes.errors import PlanError
+from dtmega.passes.layout import ModuleLayout
+from dtmega.passes.placements import PARTIAL, REPLICATE, shard, to_placement, transition
+
+SEQ = shard(1)
+LAST = shard(-1)
+
+
+@dataclass(frozen=True)
+class Style:
+    """A named way to shard one module over one mesh axis."""
+
+    name: str
+    owner: str  # the pass that materializes it: "tensor_parallel" or "sequence_parallel"
+    annotate: Callable[[ModuleLayout, nn.Module, str, int, dict[str, Any]], None]
+    build: Callable[[ModuleLayout, str], ParallelStyle]
+
+
+def _require_divisible(what: str, size: int, axis: str, tp: int, fqn_hint: str) -> None:
+    if size % tp:
+        raise PlanError(
+            f"{fqn_hint}: {what}={size} is not divisible by {axis}={tp}. "
+            f"Fix: use a {axis} size that divides {size}, or exclude the module with Rule(..., 'none')"
+        )
+
+
+def _linear(module: nn.Module, style: str) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise PlanError(f"style {style!r} shards an nn.Linear, but got {type(module).__name__}")
+    return module
+
+
+def _set_params(entry: ModuleLayout, axis: str, placements: dict[str, str]) -> None:
+    for name, param in entry.params.items():
+        param.placements[axis] = placements.get(name, REPLICATE)
+
+
+# ---- annotate halves --------------------------------------------------------------------------
+def _annotate_colwise(entry, module, axis, size, options):
+    _require_divisible("out_features", _linear(module, "colwise").out_features, axis, size, entry.type)
+    _set_params(entry, axis, {"weight": shard(0), "bias": shard(0)})
+    entry.inputs[axis], entry.outputs[axis] = REPLICATE, LAST
+
+
+def _annotate_rowwise(entry, module, axis, size, options):
+    _require_divisible("in_features", _linear(module, "rowwise").in_features, axis, size, entry.type)
+    _set_params(entry, axis, {"weight": shard(1), "bias": REPLICATE})
+    entry.inputs[axis], entry.outputs[axis] = LAST, f"{PARTIAL}->{REPLICATE}"
+
+
+def _annotate_embedding(entry, module, axis, size, options):
+    if not isinstance(module, nn.Embedding):
+        raise PlanError(f"style 'embedding' shards an nn.Embedding, but got {type(module).__name__}")
+    _require_divisible("num_embeddings (vocab)", module.num_embeddings, axis, size, entry.type)
+    _set_params(entry, axis, {"weight": shard(0)})
+    entry.inputs[axis], entry.outputs[axis] = REPLICATE, f"{PARTIAL}->{REPLICATE}"
+
+
+def _annotate_output(entry, module, axis, size, options):
+    _require_divisible("out_features (vocab)", _linear(module, "output").out_features, axis, size, entry.type)
+    _set_params(entry, axis, {"weight": shard(0), "bias": shard(0)})
+    entry.inputs[axis], entry.outputs[axis] = REPLICATE, LAST
+
+
+def _annotate_sequence_norm(entry, module, axis, size, options):
+    _set_params(entry, axis, {})
+    entry.inputs[axis], entry.outputs[axis] = SEQ, SEQ
+
+
+def _annotate_gather_input(entry, module, axis, size, options):
+    if ("args" in options) == ("kwarg" in options):
+        raise PlanError("style 'gather_input' needs exactly one of options {'args': N} or {'kwarg': name}")
+    entry.inputs[axis] = f"{SEQ}->{REPLICATE}"
+    entry.options = {**entry.options, **options}
+
+
+# ---- build halves -----------------------------------------------------------------------------
+def _src(text: str):
+    return to_placement(transition(text)[0])
+
+
+def _dst(text: str):
+    return to_placement(transition(text)[1])
+
+
+def _build_colwise(entry, axis):
+    return ColwiseParallel(input_layouts=_src(entry.inputs[axis]), output_layouts=Shard(-1), use_local_output=True)
+
+
+def _build_rowwise(entry, axis):
+    out = _dst(entry.outputs[axis])
+    return RowwiseParallel(input_layouts=Shard(-1), output_layouts=out, use_local_output=out == Replicate())
+
+
+def _build_embedding(entry, axis):
+    out = _dst(entry.outputs[axis])
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=out == Replicate())
+
+
+def _build_output(entry, axis):
+    # Logits stay a vocab-sharded DTensor: the loss is computed without gathering them.
+    return ColwiseParallel(input_layouts=_src(entry.inputs[axis]), output_layouts=Shard(-1), use_local_output=False)
+
+
+def _build_sequence_norm(entry, axis):
+    return SequenceParallel(sequence_dim=1)
+
+
+def _build_gather_input(entry, axis):
+    if "kwarg" in entry.options:
+        name = entry.options["kwarg"]
+        return PrepareModuleInput(
+            input_kwarg_layouts={name: Shard(1)},
+            desired_input_kwarg_layouts={name: Replicate()},
+            use_local_output=True,
+        )
+    rest = (None,) * (int(entry.options["args"]) - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+
+
+class TorchtitanVocabEmbedding(ParallelStyle):
+    """torchtitan's `Embedding` does its own vocab-parallel lookup once it is given a TP group
+    (and always reads the local shard of a DTensor weight): shard the weight, hand it the group,
+    and turn its partial output into the layout's output placement."""
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight = distribute_tensor(module.weight.data, device_mesh, [Shard(0)], src_data_rank=None)
+        module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        module.tp_group = device_mesh.get_group()
+        layout = self.output_layout
+
+        def reduce_output(mod, inputs, output):
+            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            result = partial.redistribute(placements=[layout])
+            return result.to_local() if layout == Replicate() else result
+
+        module.register_forward_hook(reduce_output)
+        return module
+
+
+def _build_torchtitan_embedding(entry, axis):
+    return TorchtitanVocabEmbedding(_dst(entry.outputs[axis]))
+
+
+STYLES: dict[str, Style] = {
+    s.name: s
+    for s in (
+        Style("colwise", "tensor_parallel", _annotate_colwise, _build_colwise),
+        Style("rowwise", "tensor_parallel", _annotate_rowwise, _build_rowwise),
+        Style("embedding", "tensor_parallel", _annotate_embedding, _build_embedding),
+        Style("torchtitan_embedding", "tensor_parallel", _annotate_embedding, _build_torchtitan_embedding),
+        Style("output", "tensor_parallel", _annotate_output, _build_output),
+        Style("sequence_norm", "sequence_parallel", _annotate_sequence_norm, _build_sequence_norm),
+        Style("gather_input", "sequence_parallel", _annotate_gather_input, _build_gather_input),
+    )
+}
+
+# Styles whose output joins the residual stream (sequence parallelism reduce-scatters it)
+# and whose input leaves it (sequence parallelism all-gathers it).
+RESIDUAL_WRITERS = ("rowwise", "embedding", "torchtitan_embedding")
+RESIDUAL_READERS = ("output",)
+
+
+def style(name: str, owner: str) -> Style:
+    """The style called `name`, checked to belong to pass `owner`."""
+    if name not in STYLES:
+        raise PlanError(f"unknown style {name!r}; known styles: {', '.join(sorted(STYLES))}, or 'none'")
+    found = STYLES[name]
+    if found.owner != owner:
+        raise PlanError(f"style {name!r} belongs to {found.owner}, not {owner}; give it in that pass's rules")
+    return found
+
+
+def apply_styles(program, owner: str, axis: str) -> int:
+    """Materializes every layout entry whose style `owner` owns, on mesh axis `axis`."""
+    mesh = program.submesh(axis)
+    count = 0
+    for fqn, entry in program.layout.modules.items():
+        if entry.style is None or STYLES[entry.style].owner != owner:
+            continue
+        parallelize_module(program.module(fqn), mesh, STYLES[entry.style].build(entry, axis), src_data_rank=None)
+        count += 1
+    return count
+
+
+def retie_parameters(program) -> None:
+    """Re-points tied parameters at their owner after sharding replaced the owner's Parameter."""
+    for full_name, param in program.layout.params():
+        if param.tied_to is None:
+            continue
+        owner_module, _, owner_name = param.tied_to.rpartition(".")
+        module_fqn, _, name = full_name.rpartition(".")
+        setattr(program.module(module_fqn), name, getattr(program.module(owner_module), owner_name))
+
+
+__all__ = ["STYLES", "Style", "style", "apply_styles", "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS"]

@@ -1,0 +1,64 @@
+"""One long-lived process group for the whole distributed suite.
+
+Run as `torchrun --nproc-per-node 4 -m pytest tests/distributed`: every rank runs the same
+pytest session, in the same order, and each test builds the mesh it needs with
+`mesh(...)` (a world of 4 split into independent meshes for 1- and 2-rank plans).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import WORLD
+
+
+def pytest_configure(config):
+    if "WORLD_SIZE" not in os.environ:
+        pytest.exit(
+            "tests/distributed runs under torchrun: "
+            "torchrun --nproc-per-node 4 -m pytest tests/distributed", returncode=2,
+        )
+    if not dist.is_initialized():
+        # A short timeout turns a desynchronized collective into a failure, not a stalled CI.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    if dist.get_world_size() != WORLD:
+        pytest.exit(f"the distributed suite expects {WORLD} ranks, got {dist.get_world_size()}", returncode=2)
+
+
+_FAILURES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _FAILURES.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Rank 0's console is the one shown: it lists what failed on any rank."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, _FAILURES)
+    if dist.get_rank() == 0:
+        for rank, failures in enumerate(everyone):
+            for nodeid in failures:
+                print(f"\nrank {rank} failed: {nodeid}")
+    if any(everyone):
+        session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def _lockstep():
+    """Seeds every test alike on every rank and keeps ranks in step between tests."""
+    torch.manual_seed(0)
+    yield
+    dist.barrier()
+
+
+@pytest.fixture
+def rank() -> int:
+    return dist.get_rank()
+

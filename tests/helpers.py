@@ -1,0 +1,149 @@
+"""Shared test helpers: the unsharded reference, and comparisons against it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import dtmega
+from dtmega.kernels import per_token_cross_entropy
+from dtmega.models import Llama, LlamaConfig
+from dtmega.passes import family_of
+
+WORLD = 4  # ranks of the distributed suite
+
+# The tolerances every numerics test states: fp32, relative (Frobenius) error per tensor.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+PARAM_RTOL = 1e-5
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (absolute when expected is zero)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of a (possibly DTensor) tensor. Collective for DTensors: call on every rank."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference_loss(model: nn.Module, batch: TensorDict) -> torch.Tensor:
+    """The unsharded model's loss on the whole global batch: token-weighted mean cross entropy."""
+    family = family_of(model)
+    logits = family.logits(model, batch["tokens"], batch.get("position_ids", None))
+    losses = per_token_cross_entropy(logits, batch["labels"])
+    mask = batch["loss_mask"]
+    return (losses * mask).sum() / mask.sum()
+
+
+def debug_llama(**overrides) -> LlamaConfig:
+    """The tiny config the suite uses."""
+    return LlamaConfig.from_name("debug", **overrides)
+
+
+def build_dtmega_llama(config: LlamaConfig, seed: int) -> tuple[nn.Module, Callable[[], nn.Module]]:
+    """A materialized reference and a factory of meta-device copies to shard."""
+    with torch.device("meta"):
+        reference = Llama(config)
+    reference.to_empty(device="cpu")
+    reference.init_weights(seed=seed)
+
+    def meta_copy() -> nn.Module:
+        with torch.device("meta"):
+            return Llama(config)
+
+    return reference, meta_copy
+
+
+@dataclass
+class Comparison:
+    """Worst relative errors seen while comparing a plan with the reference."""
+
+    loss: float = 0.0
+    grad: float = 0.0
+    param: float = 0.0
+    worst_grad_name: str = ""
+
+
+def compare_training(
+    reference: nn.Module,
+    parallel: dtmega.ParallelModel,
+    *,
+    steps: int = 5,
+    batch_size: int = 4,
+    seq_len: int = 16,
+    seed: int = 0,
+    lr: float = 1e-3,
+    eps: float = 1e-5,
+    microbatches: int = 1,
+) -> Comparison:
+    """Trains both models `steps` AdamW steps on the same fresh random batches and returns the
+    worst relative errors: loss at every step, every gradient at the first step (where both
+    models hold identical weights), every parameter after every step.
+
+    Adam normalizes each gradient entry, so fp32 roundoff in entries near zero would become
+    full-size updates; `eps` (1e-5) sits above that roundoff so the trajectory comparison
+    measures the plan, not Adam's conditioning.
+
+    Collective: every rank of the parallel model's mesh must call it.
+    """
+    vocab = family_of(reference).describe(reference).vocab_size
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+    par_opt = torch.optim.AdamW(parallel.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+    result = Comparison()
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps):
+        batch = dtmega.synthetic_batch(batch_size, seq_len, vocab, seed=seed + 1000 * step, masked_fraction=0.25)
+        ref_opt.zero_grad()
+        ref_loss = reference_loss(reference, batch)
+        ref_loss.backward()
+        par_opt.zero_grad()
+        par_loss = parallel.forward_backward(parallel.shard_batch(batch), microbatches=microbatches)
+        result.loss = max(result.loss, relative_error(par_loss, ref_loss))
+        for name, param in parallel.named_parameters():
+            assert param.grad is not None, f"{name} got no gradient"
+            grad = full(param.grad)
+            if step == 0:
+                error = relative_error(grad, ref_params[name].grad)
+                if error > result.grad:
+                    result.grad, result.worst_grad_name = error, name
+        assert set(dict(parallel.named_parameters())) == set(ref_params), "parameter names differ"
+        ref_opt.step()
+        par_opt.step()
+        for name, param in parallel.named_parameters():
+            result.param = max(result.param, relative_error(full(param), ref_params[name]))
+    return result
+
+
+def assert_close_to_reference(result: Comparison) -> None:
+    """The suite's stated tolerances."""
+    assert result.loss <= LOSS_RTOL, f"loss relative error {result.loss:.2e} > {LOSS_RTOL}"
+    assert result.grad <= GRAD_RTOL, f"gradient {result.worst_grad_name} relative error {result.grad:.2e} > {GRAD_RTOL}"
+    assert result.param <= PARAM_RTOL, f"parameter relative error {result.param:.2e} > {PARAM_RTOL}"
+
+
+def mesh(**sizes: int):
+    """A mesh of the given axis sizes (others 1) for the distributed suite: the 4-rank world is
+    split into as many independent copies as fit, so 1- and 2-rank plans run on every rank."""
+    from dtmega.mesh import split_world
+
+    sizes.setdefault("dp_shard", 1)
+    ranks = 1
+    for size in sizes.values():
+        ranks *= size
+    return split_world(WORLD // ranks, device_type="cpu", **sizes)
+
+
+def clone_module(module: nn.Module) -> nn.Module:
+    """A deep copy with the same weights (for models built eagerly, e.g. HF and torchtitan)."""
+    return copy.deepcopy(module)

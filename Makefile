@@ -26,11 +26,11 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 train: $(VENV)/.installed
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/train_llama.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --local-ranks-filter 0 examples/train_llama.py
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 4 --log-dir $(VENV)/torchrun-logs \
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 4 --local-ranks-filter 0 \
 		-m pytest tests/distributed -q -p no:cacheprovider
 
 clean:

@@ -60,7 +60,8 @@ class ParallelModel:
 
     def report(self, *, fold: bool = True) -> Table:
         """A rich table of the layout with bytes per rank (`rich.print(pm.report())`)."""
-        return layout_table(self.layout, fold=fold, title=f"{type(self.module).__name__} on {self.layout.mesh}")
+        mesh = " x ".join(f"{axis}={size}" for axis, size in self.layout.mesh.items() if size > 1) or "1 rank"
+        return layout_table(self.layout, fold=fold, title=f"{self.layout[''].type} on {mesh}")
 
     def parameters(self):
         """The (sharded) parameters, for the optimizer."""

@@ -42,10 +42,9 @@ def _is_interesting(entry: "ModuleLayout") -> bool:
 
 def layout_table(layout: "Layout", *, fold: bool = True, title: str | None = None) -> Table:
     """A table of the layout. With `fold`, blocks that differ only in their index share a row."""
-    table = Table(title=title or f"layout on mesh {layout.mesh}", show_lines=False)
-    for column in ("module", "type", "parameters (per-axis placements)", "inputs", "outputs",
-                   "stage", "recompute", "kernel", "precision", "bytes/rank"):
-        table.add_column(column, overflow="fold")
+    columns = ("module", "type", "parameters (per-axis placements)", "inputs", "outputs",
+               "stage", "recompute", "kernel", "precision", "bytes/rank")
+    rows = []
     groups: dict[tuple[str, str], list[str]] = {}
     as_data = layout.to_dict()["modules"]
     for fqn, entry in layout.modules.items():
@@ -62,11 +61,18 @@ def layout_table(layout: "Layout", *, fold: bool = True, title: str | None = Non
         stage = "" if entry.stage is None else str(entry.stage)
         if entry.virtual_stage is not None:
             stage += f" (v{entry.virtual_stage})"
-        table.add_row(
+        rows.append((
             name, entry.type, _params_text(entry), _axes_text(entry.inputs) if entry.inputs else "",
             _axes_text(entry.outputs) if entry.outputs else "", stage, entry.recompute or "",
             entry.kernel or "", entry.precision or "", human_bytes(entry.local_bytes(layout.mesh)),
-        )
+        ))
+    # Columns no entry uses (e.g. stage before pipelining) are left out to keep the table narrow.
+    keep = [i for i, column in enumerate(columns) if i < 2 or column == "bytes/rank" or any(row[i] for row in rows)]
+    table = Table(title=title or f"layout on mesh {layout.mesh}")
+    for i in keep:
+        table.add_column(columns[i], overflow="fold")
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     total = layout.local_bytes()
     table.caption = (
         f"{layout.local_param_count():,} of {layout.global_param_count():,} parameters on rank 0 "

@@ -9,17 +9,16 @@ no tensors touched) and read it in `apply`. It serializes to TOML, diffs, and re
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-import tomli_w
 import torch
 from torch import nn
 
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import REPLICATE, shard_dim
+from dtmega.passes.toml_io import dump_toml, load_toml
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -202,15 +201,12 @@ class Layout:
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """TOML text of the layout; also written to `path` if given."""
-        text = tomli_w.dumps(self.to_dict())
-        if path is not None:
-            Path(path).write_text(text)
-        return text
+        return dump_toml(self.to_dict(), path)
 
     @classmethod
     def from_toml(cls, source: str | Path) -> "Layout":
         """Reads a layout from TOML text or a path to a .toml file."""
-        return cls.from_dict(tomllib.loads(read_text_or_path(source)))
+        return cls.from_dict(load_toml(source))
 
     # ---- comparison and display ---------------------------------------------------------------
     def diff(self, other: "Layout") -> list[LayoutChange]:
@@ -233,16 +229,6 @@ class Layout:
         from dtmega.passes.render import layout_table
 
         return layout_table(self)
-
-
-def read_text_or_path(source: str | Path) -> str:
-    """TOML given either inline or as a path to a file."""
-    if isinstance(source, Path) or ("\n" not in source and source.endswith(".toml")):
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist")
-        return path.read_text()
-    return source
 
 
 def dtype_name(dtype: torch.dtype) -> str:

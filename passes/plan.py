@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import tomli_w
 
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
-from dtmega.passes.layout import read_text_or_path
+from dtmega.passes.toml_io import dump_toml, load_toml
 
 
 class Plan:
@@ -50,16 +48,9 @@ class Plan:
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """TOML text of the plan; also written to `path` if given."""
-        text = tomli_w.dumps(self.to_dict())
-        if path is not None:
-            Path(path).write_text(text)
-        return text
+        return dump_toml(self.to_dict(), path)
 
     @classmethod
     def from_toml(cls, source: str | Path) -> "Plan":
         """Reads a plan from TOML text or a .toml path."""
-        try:
-            data = tomllib.loads(read_text_or_path(source))
-        except tomllib.TOMLDecodeError as error:
-            raise PlanError(f"the plan is not valid TOML: {error}") from error
-        return cls.from_dict(data)
+        return cls.from_dict(load_toml(source))

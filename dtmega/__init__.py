@@ -3,18 +3,46 @@
     mesh = dtmega.make_mesh(dp_shard=2, tp=2)
     plan = dtmega.Plan([TensorParallel(), SequenceParallel(), DataParallel("fsdp")])
     pm = dtmega.parallelize(Llama(cfg), mesh, plan)
+
+Names are imported on first use, so `dtmega preprocess` (and its worker processes) never pay
+for importing torch.
 """
 
-from dtmega.batch import make_batch, synthetic_batch
-from dtmega.mesh import init_distributed, make_mesh, simulate_world, split_world
-from dtmega.parallel_model import ParallelModel
-from dtmega.parallelize import check_plan, parallelize
-from dtmega.passes import Layout, Plan, PlanError
-from dtmega import models  # noqa: F401  (registers the reference models' rule sets)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Layout", "ParallelModel", "Plan", "PlanError", "check_plan", "init_distributed", "make_batch",
-    "make_mesh", "parallelize", "simulate_world", "split_world", "synthetic_batch",
-]
+_EXPORTS = {
+    "make_batch": "dtmega.batch",
+    "synthetic_batch": "dtmega.batch",
+    "init_distributed": "dtmega.mesh",
+    "make_mesh": "dtmega.mesh",
+    "simulate_world": "dtmega.mesh",
+    "split_world": "dtmega.mesh",
+    "ParallelModel": "dtmega.parallel_model",
+    "check_plan": "dtmega.parallelizer",
+    "parallelize": "dtmega.parallelizer",
+    "Layout": "dtmega.passes",
+    "Plan": "dtmega.passes",
+    "PlanError": "dtmega.passes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        importlib.import_module("dtmega.models")  # registers the reference models' rule sets
+        value = globals()[name] = getattr(module, name)
+        return value
+    if name in ("models", "passes", "kernels", "data", "train"):
+        return importlib.import_module(f"dtmega.{name}")
+    raise AttributeError(f"module 'dtmega' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "models", "passes", "kernels", "data", "train", "__version__"])

@@ -119,9 +119,10 @@ class ParallelModel:
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(enabled)
 
-    def forward_backward(self, batch: TensorDict, microbatches: int = 1) -> torch.Tensor:
+    def forward_backward(self, batch: TensorDict, microbatches: int = 1, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over this rank's `batch` (split into `microbatches` for gradient
-        accumulation); returns the detached global mean loss."""
+        accumulation); returns the detached global mean loss. Gradients are those of
+        `loss_scale` x the loss (fp16 loss scaling)."""
         vocab = self.program.facts.vocab_size if self.program.family else None
         fields = unpack_batch(batch, vocab).split(microbatches)
         device = fields[0].tokens.device
@@ -129,7 +130,7 @@ class ParallelModel:
         if float(tokens_with_loss) == 0:
             raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
         # DataParallel averages gradients over its ranks, so each rank scales by dp_size.
-        scale = self.dp_size / tokens_with_loss
+        scale = self.dp_size * loss_scale / tokens_with_loss
         loss_sum = torch.zeros((), device=device)
         for index, chunk in enumerate(fields):
             self._set_gradient_sync(index == len(fields) - 1)
@@ -140,6 +141,19 @@ class ParallelModel:
                 (chunk_sum * scale).backward()
             loss_sum += chunk_sum.detach()
         return self._dp_all_reduce(loss_sum) / tokens_with_loss
+
+    @torch.no_grad()
+    def loss_sum(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, number of loss tokens) of the *global* batch this rank's `batch` is part
+        of, without gradients: for validation, where batches are averaged by tokens."""
+        vocab = self.program.facts.vocab_size if self.program.family else None
+        fields = unpack_batch(batch, vocab)
+        logits = self.forward(fields.tokens, fields.position_ids)
+        with cross_entropy_context(logits):
+            losses = per_token_cross_entropy(logits, fields.labels)
+        totals = torch.stack([(losses * fields.loss_mask).sum(), fields.loss_mask.sum()]).float()
+        totals = self._dp_all_reduce(totals)
+        return totals[0], totals[1]
 
     def compile(self, **kwargs) -> "ParallelModel":
         """`torch.compile`s every transformer block in place (parameter names unchanged);

@@ -19,11 +19,13 @@ class Recompute(Pass):
     policy="selective": only the attention core is recomputed (Megatron's selective recompute);
     the model's family names its attention-core module.
     every=N: on blocks N-1, 2N-1, ... (every N-th block; every=1 means all blocks).
+    first=N: only on the first N blocks (Megatron's --recompute-method block).
     `blocks` (a glob such as "layers.*") overrides the family's list of blocks.
     """
 
     policy: str = "full"
     every: int = 1
+    first: int | None = None
     blocks: str | None = None
 
     provides = ("recompute",)
@@ -33,8 +35,12 @@ class Recompute(Pass):
             raise PlanError(f"Recompute(policy={self.policy!r}) is unknown; use 'full' or 'selective'")
         if not isinstance(self.every, int) or self.every < 1:
             raise PlanError(f"Recompute(every={self.every!r}) must be a positive integer (1 = every block)")
+        if self.first is not None and (not isinstance(self.first, int) or self.first < 1):
+            raise PlanError(f"Recompute(first={self.first!r}) must be a positive integer")
         blocks = program.blocks(self.blocks)
         chosen = [fqn for i, fqn in enumerate(blocks) if (i + 1) % self.every == 0]
+        if self.first is not None:
+            chosen = [fqn for fqn in chosen if blocks.index(fqn) < self.first]
         if not chosen:
             raise PlanError(
                 f"Recompute(every={self.every}) selects none of the {len(blocks)} blocks; "

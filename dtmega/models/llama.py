@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtmega.init import InitSpec, init_parameters
+from dtmega.models.kv_cache import KVCache, LayerCache
 from dtmega.models.llama_config import LlamaConfig
 from dtmega.models.rope import apply_rope, rope_cache
 
@@ -25,10 +26,16 @@ class CoreAttention(nn.Module):
     replace exactly the attention core.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+        """`q_offset`: position of the first query among the keys (decoding with a KV cache)."""
+        mask, causal = None, True
+        if q_offset:
+            causal = False
+            query_pos = torch.arange(q.shape[1], device=q.device) + q_offset
+            mask = torch.arange(k.shape[1], device=q.device)[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=q.shape[2] != k.shape[2],
+            attn_mask=mask, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2],
         )
         return out.transpose(1, 2)
 
@@ -45,12 +52,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
         self.core = CoreAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        out = self.core(apply_rope(q, rope), apply_rope(k, rope), v)
+        if cache is None:
+            out = self.core(q, k, v)
+        else:
+            offset = cache.owner.length
+            k, v = cache.update(k, v)
+            out = self.core(q, k, v, q_offset=offset)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -77,8 +89,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -100,16 +112,22 @@ class Llama(nn.Module):
         c = self.config
         return rope_cache(c.max_seq_len, c.head_dim, c.rope_theta, c.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, vocab] for token ids [B, S]; position_ids [B, S] default to 0..S-1."""
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits [B, S, vocab] for token ids [B, S]. position_ids [B, S] default to 0..S-1 (after
+        the cached positions when decoding with a `cache`)."""
         seq = tokens.shape[1]
+        start = cache.length if cache is not None else 0
         if position_ids is None:
-            rope = self.rope_cache[:seq].unsqueeze(0)
+            rope = self.rope_cache[start:start + seq].unsqueeze(0)
         else:
             rope = self.rope_cache[position_ids]
         h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, rope)
+        for name, block in self.layers.items():
+            h = block(h, rope) if cache is None else block(h, rope, cache=cache.layer(name))
+        if cache is not None:
+            cache.advance(seq)
         return self.output(self.norm(h))
 
     def init_spec(self, name: str, param: nn.Parameter) -> InitSpec:

@@ -8,6 +8,7 @@ pytest session, in the same order, and each test builds the mesh it needs with
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -61,4 +62,12 @@ def _lockstep():
 @pytest.fixture
 def rank() -> int:
     return dist.get_rank()
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """One directory every rank sees (rank 0 makes it; the path is broadcast)."""
+    path = [str(tmp_path_factory.mktemp("shared")) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
 

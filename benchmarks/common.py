@@ -1,0 +1,51 @@
+"""Shared by the benchmarks: what machine, and how much memory a process tree used."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, StopIteration, PermissionError):
+            continue
+    return total
+
+
+def run_measured(command: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Runs `command`; returns (result, seconds, peak RSS in bytes summed over it and its children)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    peak = [0]
+
+    def poll():
+        while process.poll() is None:
+            peak[0] = max(peak[0], _tree_rss_bytes(process.pid))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    start = time.perf_counter()
+    watcher.start()
+    out, err = process.communicate()
+    seconds = time.perf_counter() - start
+    watcher.join()
+    return subprocess.CompletedProcess(command, process.returncode, out, err), seconds, peak[0]

@@ -1,0 +1,56 @@
+"""The `dtmega` command (also `python -m dtmega`): preprocess, train, evaluate, generate."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+USAGE = """usage: dtmega {preprocess,train,evaluate,generate} [options]
+
+  preprocess  JSONL -> Megatron .bin/.idx (tokenize, optionally train a BPE)
+  train       pretrain with a parallel plan (Megatron pretrain_gpt.py flags or --config TOML)
+  evaluate    loss and perplexity of a checkpoint on a dataset
+  generate    sample text from a checkpoint (greedy, top-k, top-p; KV cache; TP-aware)
+
+`dtmega <command> --help` lists a command's options. Set DTMEGA_TRACEBACK=1 to see the
+traceback behind an error message.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatches to a subcommand; bad input exits with status 2 and one clear message."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    commands = {
+        "preprocess": "dtmega.data.preprocess_cli",
+        "train": "dtmega.train.trainer",
+        "evaluate": "dtmega.train.evaluate",
+        "generate": "dtmega.train.generate",
+    }
+    if command not in commands:
+        print(USAGE, file=sys.stderr)
+        print(f"dtmega: unknown command {command!r}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(commands[command])
+    try:
+        module.main(rest)
+    # Every dtmega input error (PlanError, ArgumentError, CheckpointError, InputError,
+    # DatasetFormatError, ...) is a ValueError with a message that names the fix.
+    except (ValueError, FileNotFoundError) as error:
+        if os.environ.get("DTMEGA_TRACEBACK"):
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one message is enough
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {error}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Dataset blends with Megatron's syntax (`--data-path 0.3 a 0.7 b`) and train/valid/test splits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtmega.data.gpt_dataset import GPTDataset, GPTDatasetSpec, cached_index, split_documents
+from dtmega.data.indexed import IndexedDataset
+
+SPLITS = ("train", "valid", "test")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
+    """(weight, prefix) pairs from `a`, `a b` (equal weights) or `0.3 a 0.7 b`."""
+    if not items:
+        raise ValueError("--data-path is empty; give a dataset prefix such as data/corpus_text_document")
+    numeric = [_is_number(item) for item in items]
+    if not any(numeric):
+        return [(1.0, prefix) for prefix in items]
+    if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
+        raise ValueError(
+            f"--data-path {' '.join(items)!r} mixes weights and paths unevenly; use either paths only "
+            "(equal weights) or weight/path pairs: --data-path 0.3 data/a_text_document 0.7 data/b_text_document"
+        )
+    pairs = [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)]
+    bad = [w for w, _ in pairs if not (w > 0 and np.isfinite(w))]
+    if bad:
+        raise ValueError(f"--data-path weights must be positive numbers, got {bad}")
+    total = sum(w for w, _ in pairs)
+    return [(w / total, prefix) for w, prefix in pairs]
+
+
+def blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each of `size` samples, which dataset and which of its samples: greedily pick the
+    dataset furthest behind its target share (Megatron's blending rule)."""
+    dataset_index = np.zeros(size, dtype=np.int16)
+    sample_index = np.zeros(size, dtype=np.int64)
+    counts = np.zeros(len(weights), dtype=np.int64)
+    for i in range(size):
+        chosen = int(np.argmax(weights * (i + 1) - counts))
+        dataset_index[i], sample_index[i] = chosen, counts[chosen]
+        counts[chosen] += 1
+    return dataset_index, sample_index
+
+
+class BlendedDataset:
+    """Samples drawn from several datasets in fixed proportions, deterministically."""
+
+    def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int, cache_key: str):
+        self.datasets = datasets
+        path = datasets[0].spec.cache_path().with_name(f"blend-{cache_key}")
+
+        def build():
+            dataset_index, sample_index = blending_indices(np.asarray(weights), size)
+            return {"dataset_index": dataset_index, "sample_index": sample_index}
+
+        self.index = cached_index(path, build)
+
+    def __len__(self) -> int:
+        return len(self.index["dataset_index"])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        dataset = self.datasets[int(self.index["dataset_index"][i])]
+        return dataset[int(self.index["sample_index"][i]) % len(dataset)]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the trainer asks of the data: where, how long, how many, which seed."""
+
+    data_path: tuple[str, ...]
+    split: tuple[float, float, float] = (969.0, 30.0, 1.0)
+    seq_length: int = 1024
+    seed: int = 1234
+
+
+def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str, GPTDataset | BlendedDataset | None]:
+    """train/valid/test datasets with at least `num_samples[split]` samples each (None where a
+    split has no documents or no samples are asked for)."""
+    blend = parse_data_path(list(config.data_path))
+    data = [IndexedDataset(prefix) for _, prefix in blend]
+    result: dict[str, GPTDataset | BlendedDataset | None] = {}
+    for split_index, name in enumerate(SPLITS):
+        wanted = num_samples.get(name, 0)
+        parts = []
+        for (weight, prefix), dataset in zip(blend, data):
+            lo, hi = split_documents(list(config.split), dataset.num_documents)[split_index]
+            if hi <= lo or wanted <= 0:
+                continue
+            # a 0.5% margin as Megatron, so that rounding never starves a blend component
+            share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
+            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed)
+            parts.append((weight, GPTDataset(dataset, spec)))
+        if not parts:
+            result[name] = None
+        elif len(parts) == 1:
+            result[name] = parts[0][1]
+        else:
+            weights = [w for w, _ in parts]
+            total = sum(weights)
+            key = f"{name}-{len(parts)}-{wanted}-{config.seed}-" + "-".join(f"{w / total:.6f}" for w in weights)
+            result[name] = BlendedDataset([d for _, d in parts], [w / total for w in weights], wanted, key)
+    return result

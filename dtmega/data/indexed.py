@@ -1,0 +1,206 @@
+"""Megatron-Core's indexed dataset format: tokens in `<prefix>.bin`, an index in `<prefix>.idx`.
+
+Byte-compatible with `megatron.core.datasets.indexed_dataset`: the `.idx` file is the 9-byte
+magic `MMIDIDX\\x00\\x00`, version 1 (u64), a dtype code (u8), the sequence count (u64), the
+document count (u64), then int32 sequence lengths, int64 byte pointers into `.bin`, and int64
+document boundaries (sequence indices, starting with 0). Data prepared by either tool reads in
+the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+_HEADER_BYTES = len(INDEX_MAGIC) + 8 + 1 + 8 + 8
+
+# Megatron's DType codes.
+DTYPE_CODES: dict[int, type] = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
+
+
+class DatasetFormatError(ValueError):
+    """A .bin/.idx pair is not a valid indexed dataset; the message says what and how to fix."""
+
+
+def token_dtype(vocab_size: int) -> type:
+    """The smallest token dtype Megatron uses for a vocabulary: uint16 below 65500, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def idx_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def stats_path(prefix: str | Path) -> Path:
+    """dtmega's side file with token counts and the unigram entropy (Megatron ignores it)."""
+    return Path(f"{prefix}.stats.json")
+
+
+def read_stats(prefix: str | Path) -> dict | None:
+    """The stats `dtmega preprocess` wrote beside the data, if any."""
+    path = stats_path(prefix)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+class IndexedDatasetWriter:
+    """Streams documents into `<prefix>.bin/.idx`, atomically.
+
+    Everything is written to `*.tmp` files that are renamed into place only by `finalize()`
+    (index last), so an interrupted run never leaves a pair that looks valid.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: type):
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code")
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self._bin_tmp = Path(f"{bin_path(prefix)}.tmp")
+        self._idx_tmp = Path(f"{idx_path(prefix)}.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self.sequence_lengths: list[int] = []
+        self.document_indices: list[int] = [0]
+        self.tokens = 0
+        self.token_counts = np.zeros(0, dtype=np.int64)
+
+    def add_document(self, sequences: list[np.ndarray] | list[list[int]]) -> None:
+        """Appends one document made of zero or more sequences (sentences)."""
+        for sequence in sequences:
+            array = np.asarray(sequence, dtype=self.dtype)
+            self._bin.write(array.tobytes(order="C"))
+            self.sequence_lengths.append(int(array.size))
+            self.tokens += int(array.size)
+            if array.size:
+                counts = np.bincount(array.astype(np.int64))
+                if len(counts) > len(self.token_counts):
+                    self.token_counts = np.pad(self.token_counts, (0, len(counts) - len(self.token_counts)))
+                self.token_counts[: len(counts)] += counts
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def finalize(self) -> None:
+        """Writes the index and moves both files into place."""
+        self._bin.close()
+        lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(self._idx_tmp, "wb") as index:
+            index.write(INDEX_MAGIC)
+            index.write(struct.pack("<Q", INDEX_VERSION))
+            index.write(struct.pack("<B", CODE_OF[self.dtype]))
+            index.write(struct.pack("<Q", len(lengths)))
+            index.write(struct.pack("<Q", len(self.document_indices)))
+            index.write(lengths.tobytes(order="C"))
+            index.write(pointers.tobytes(order="C"))
+            index.write(np.asarray(self.document_indices, dtype=np.int64).tobytes(order="C"))
+        self._write_stats()
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
+
+    def _write_stats(self) -> None:
+        probabilities = self.token_counts[self.token_counts > 0] / max(1, self.tokens)
+        stats = {
+            "documents": len(self.document_indices) - 1,
+            "tokens": self.tokens,
+            "max_token_id": int(len(self.token_counts) - 1),
+            "unigram_entropy_nats": float(-(probabilities * np.log(probabilities)).sum()),
+        }
+        tmp = Path(f"{stats_path(self.prefix)}.tmp")
+        tmp.write_text(json.dumps(stats, indent=2))
+        os.replace(tmp, stats_path(self.prefix))
+
+    def abort(self) -> None:
+        """Removes the temporary files (called when preprocessing fails)."""
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            path.unlink(missing_ok=True)
+
+
+class IndexedDataset:
+    """Memory-mapped reader of a `.bin/.idx` pair; validates both files before use."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = Path(prefix)
+        index_file, data_file = idx_path(prefix), bin_path(prefix)
+        for path in (index_file, data_file):
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"{path} does not exist. Fix: pass the prefix without .bin/.idx (e.g. "
+                    f"data/corpus_text_document) of files written by `dtmega preprocess`"
+                )
+        with open(index_file, "rb") as stream:
+            header = stream.read(_HEADER_BYTES)
+        if len(header) < _HEADER_BYTES or header[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+            raise DatasetFormatError(
+                f"{index_file} does not start with Megatron's index magic {INDEX_MAGIC!r}: it is not "
+                "an indexed-dataset index (or is corrupt). Fix: re-run `dtmega preprocess`"
+            )
+        version, code, sequences, documents = struct.unpack("<QBQQ", header[len(INDEX_MAGIC):])
+        if version != INDEX_VERSION:
+            raise DatasetFormatError(
+                f"{index_file} has index version {version}; only version {INDEX_VERSION} exists. "
+                "Fix: re-run `dtmega preprocess`"
+            )
+        if code not in DTYPE_CODES:
+            raise DatasetFormatError(f"{index_file} has unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = _HEADER_BYTES + sequences * (4 + 8) + documents * 8
+        actual = index_file.stat().st_size
+        if actual < expected:
+            raise DatasetFormatError(
+                f"{index_file} is truncated: {actual} bytes, but its header describes {expected}. "
+                "Fix: re-run `dtmega preprocess`"
+            )
+        index = np.memmap(index_file, mode="r", order="C")
+        offset = _HEADER_BYTES
+        self.sequence_lengths = np.frombuffer(index, dtype=np.int32, count=sequences, offset=offset)
+        offset += self.sequence_lengths.nbytes
+        self.sequence_pointers = np.frombuffer(index, dtype=np.int64, count=sequences, offset=offset)
+        offset += self.sequence_pointers.nbytes
+        self.document_indices = np.frombuffer(index, dtype=np.int64, count=documents, offset=offset)
+        data_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        if data_file.stat().st_size < data_bytes:
+            raise DatasetFormatError(
+                f"{data_file} is truncated: {data_file.stat().st_size} bytes, but {index_file} "
+                f"describes {data_bytes}. Fix: re-run `dtmega preprocess`"
+            )
+        self._data = np.memmap(data_file, dtype=self.dtype, mode="r", order="C") if data_bytes else np.zeros(0, self.dtype)
+
+    def __len__(self) -> int:
+        """Number of sequences."""
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of sequence `index` from token `offset`, `length` of them (default: to the end)."""
+        start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
+        if length is None:
+            length = int(self.sequence_lengths[index]) - offset
+        return self._data[start:start + length]
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.get(index)
+
+    def document_sequences(self, document: int) -> range:
+        """Sequence indices of document `document`."""
+        return range(int(self.document_indices[document]), int(self.document_indices[document + 1]))

@@ -1,0 +1,57 @@
+"""Batches for one data-parallel rank, resumable from a sample count."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from dtmega.batch import make_batch
+
+
+def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool) -> TensorDict:
+    """[B, S+1] token windows -> tokens, labels, loss_mask, position_ids ([B, S] each)."""
+    data = torch.from_numpy(np.ascontiguousarray(samples))
+    tokens, labels = data[:, :-1], data[:, 1:]
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape).clone()
+    if reset_position_ids:
+        # A position right after an end-of-document starts a new document at 0.
+        starts = torch.zeros_like(tokens, dtype=torch.bool)
+        starts[:, 1:] = tokens[:, :-1] == eod
+        segment_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
+        positions = positions - segment_start
+    return make_batch(tokens.contiguous(), labels.contiguous(), loss_mask, positions)
+
+
+class BatchLoader:
+    """Global batch g covers samples [g*G, (g+1)*G); this rank takes its contiguous 1/dp slice.
+    The position is `consumed_samples`, so a resumed run reads exactly what it would have."""
+
+    def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, *, eod: int,
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0):
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
+        self.dataset, self.global_batch = dataset, global_batch
+        self.dp_rank, self.local = dp_rank, global_batch // dp_size
+        self.eod, self.eod_mask_loss, self.reset_position_ids = eod, eod_mask_loss, reset_position_ids
+        self.consumed_samples = consumed_samples
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TensorDict:
+        start = self.consumed_samples + self.dp_rank * self.local
+        if self.consumed_samples + self.global_batch > len(self.dataset):
+            raise StopIteration
+        samples = np.stack([self.dataset[i] for i in range(start, start + self.local)])
+        self.consumed_samples += self.global_batch
+        return sample_to_fields(samples, self.eod, self.eod_mask_loss, self.reset_position_ids)
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])

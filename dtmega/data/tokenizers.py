@@ -1,0 +1,147 @@
+"""Tokenizers chosen the way Megatron's --tokenizer-type chooses them, built on HF `tokenizers`.
+
+Nothing is fetched from a hub: every tokenizer comes from local files (or is the byte
+tokenizer, or is trained on the input).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import numpy as np
+
+from tokenizers import Tokenizer as HFTokenizerModel
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte")
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+BPE_EOD = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    """What preprocessing, training and generation need from a tokenizer."""
+
+    vocab_size: int
+    eod: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Byte-level: ids 0-255 are the UTF-8 bytes; 256 is end-of-document, 257 padding."""
+
+    vocab_size = 258
+    eod = 256
+    pad = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode` as a uint16 array, without a Python list (preprocessing's hot path)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        return json.dumps({"dtmega_tokenizer": "byte"})
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizers` tokenizer with a known end-of-document token."""
+
+    def __init__(self, model: HFTokenizerModel, eod_token: str | None = None):
+        self.model = model
+        self.vocab_size = model.get_vocab_size(with_added_tokens=True)
+        vocab = model.get_vocab(with_added_tokens=True)
+        candidates = (eod_token,) if eod_token else EOD_CANDIDATES
+        found = [token for token in candidates if token in vocab]
+        if not found:
+            wanted = repr(eod_token) if eod_token else f"any of {list(EOD_CANDIDATES)}"
+            raise ValueError(
+                f"the tokenizer has no end-of-document token ({wanted} not in its vocabulary). "
+                "Fix: pass --eod-token with a token it has"
+            )
+        self.eod_token = found[0]
+        self.eod = vocab[self.eod_token]
+
+    def encode(self, text: str) -> list[int]:
+        return self.model.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.model.to_str()
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Where a tokenizer comes from; picklable, so worker processes can rebuild it."""
+
+    tokenizer_type: str = "byte"
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    eod_token: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _require_file(path: str | None, flag: str, kind: str) -> Path:
+    if not path:
+        raise ValueError(f"--tokenizer-type {kind} needs {flag}")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{flag} {path} does not exist")
+    return Path(path)
+
+
+def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    """The tokenizer `spec` describes; a clear error for a missing or inconsistent file."""
+    if spec.tokenizer_type == "byte":
+        return ByteTokenizer()
+    if spec.tokenizer_type == "HuggingFaceTokenizer":
+        path = _require_file(spec.tokenizer_model, "--tokenizer-model (a tokenizers JSON file)", spec.tokenizer_type)
+        return tokenizer_from_json(path.read_text(), spec.eod_token)
+    if spec.tokenizer_type == "GPT2BPETokenizer":
+        vocab = _require_file(spec.vocab_file, "--vocab-file (vocab.json)", spec.tokenizer_type)
+        merges = _require_file(spec.merge_file, "--merge-file (merges.txt)", spec.tokenizer_type)
+        model = HFTokenizerModel(models.BPE.from_file(str(vocab), str(merges)))
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        model.decoder = decoders.ByteLevel()
+        return HuggingFaceTokenizer(model, spec.eod_token or BPE_EOD)
+    raise ValueError(f"--tokenizer-type {spec.tokenizer_type!r} is unknown; use one of {TOKENIZER_TYPES}")
+
+
+def tokenizer_from_json(text: str, eod_token: str | None = None) -> Tokenizer:
+    """Rebuilds a tokenizer from `to_json()` output (how checkpoints carry their tokenizer)."""
+    if text.lstrip().startswith('{"dtmega_tokenizer": "byte"'):
+        return ByteTokenizer()
+    return HuggingFaceTokenizer(HFTokenizerModel.from_str(text), eod_token)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, save_to: Path) -> HuggingFaceTokenizer:
+    """Trains a byte-level BPE on `texts` (GPT-2 style, <|endoftext|> as end of document) and
+    saves it as a tokenizers JSON file."""
+    if vocab_size < 257 + 1:
+        raise ValueError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 258 tokens")
+    model = HFTokenizerModel(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BPE_EOD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    model.train_from_iterator(texts, trainer=trainer)
+    save_to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = save_to.with_suffix(".json.tmp")
+    model.save(str(tmp))
+    tmp.replace(save_to)
+    return HuggingFaceTokenizer(model, BPE_EOD)

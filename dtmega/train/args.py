@@ -1,0 +1,235 @@
+"""`dtmega train` arguments: Megatron-LM's `pretrain_gpt.py` flags, a TOML config, or both.
+
+Precedence: built-in defaults < `--model` preset < `--config` TOML < flags on the command line.
+Every flag does something, is rejected as "not supported yet", or is accepted with a one-line
+note saying why it means nothing here. Nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dtmega.models.llama_config import NAMED_CONFIGS
+from dtmega.passes.toml_io import load_toml
+
+
+class ArgumentError(ValueError):
+    """The arguments cannot run; the message names the flag and the fix."""
+
+
+def _opt(default: Any = None, help: str = "", choices: tuple | None = None) -> Any:
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainArgs:
+    """All options of a training run (flag --foo-bar is field foo_bar)."""
+
+    # ---- model ----
+    model: str | None = _opt(None, "architecture preset: " + ", ".join(NAMED_CONFIGS))
+    num_layers: int | None = _opt(None, "transformer blocks")
+    hidden_size: int | None = _opt(None, "model width")
+    ffn_hidden_size: int | None = _opt(None, "MLP width (default: Megatron's SwiGLU rule, 8/3 x hidden, multiple of 64)")
+    num_attention_heads: int | None = _opt(None, "attention heads")
+    group_query_attention: bool = _opt(False, "use grouped-query attention (with --num-query-groups)")
+    num_query_groups: int | None = _opt(None, "key/value heads under --group-query-attention")
+    seq_length: int = _opt(1024, "tokens per sample")
+    max_position_embeddings: int | None = _opt(None, "RoPE table length (default: --seq-length)")
+    init_method_std: float = _opt(0.02, "std of the normal init")
+    untie_embeddings_and_output_weights: bool = _opt(False, "separate input embedding and output layer")
+    swiglu: bool = _opt(False, "SwiGLU MLP (dtmega's Llama always uses it)")
+    normalization: str = _opt("RMSNorm", "norm layer", ("RMSNorm", "LayerNorm"))
+    norm_epsilon: float = _opt(1e-5, "norm epsilon")
+    position_embedding_type: str = _opt("rope", "position embedding", ("rope", "learned_absolute", "none"))
+    rotary_base: float = _opt(10000.0, "RoPE theta")
+    use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
+    make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
+    attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
+    hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")
+    # ---- parallelism ----
+    tensor_model_parallel_size: int = _opt(1, "TP size")
+    pipeline_model_parallel_size: int = _opt(1, "PP size (only 1 is supported yet)")
+    context_parallel_size: int = _opt(1, "CP size (only 1 is supported yet)")
+    sequence_parallel: bool = _opt(False, "sequence parallelism (needs TP > 1)")
+    use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
+    data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
+                                     ("ddp", "fsdp", "hsdp"))
+    data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
+    recompute_granularity: str | None = _opt(None, "activation recompute", ("full", "selective"))
+    recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
+    recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
+    compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
+    # ---- batch and optimizer ----
+    micro_batch_size: int = _opt(1, "sequences per rank per micro-batch")
+    global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
+    train_iters: int | None = _opt(None, "optimizer steps")
+    lr: float | None = _opt(None, "peak learning rate")
+    min_lr: float = _opt(0.0, "final learning rate")
+    lr_decay_style: str = _opt("linear", "decay after warmup", ("constant", "linear", "cosine", "WSD"))
+    lr_warmup_iters: int = _opt(0, "linear warmup steps")
+    lr_decay_iters: int | None = _opt(None, "steps until min_lr (default: --train-iters)")
+    lr_wsd_decay_iters: int | None = _opt(None, "WSD: length of the final decay (default: 10 %% of the decay steps)")
+    lr_wsd_decay_style: str = _opt("linear", "WSD decay shape", ("linear", "cosine", "exponential", "minus_sqrt"))
+    weight_decay: float = _opt(0.01, "AdamW decay (never on norms and biases)")
+    clip_grad: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.999, "AdamW beta2")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon")
+    bf16: bool = _opt(False, "bf16 compute, fp32 master weights and gradient reduction")
+    fp16: bool = _opt(False, "fp16 compute with dynamic loss scaling")
+    loss_scale: float | None = _opt(None, "static loss scale for --fp16 (default: dynamic)")
+    initial_loss_scale: float = _opt(2.0**32, "first dynamic loss scale")
+    min_loss_scale: float = _opt(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = _opt(1000, "steps without overflow before the scale doubles")
+    hysteresis: int = _opt(2, "overflows tolerated before the scale halves")
+    # ---- data ----
+    data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
+    split: str = _opt("969,30,1", "train,valid,test document proportions")
+    tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing", ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte"))
+    tokenizer_model: str | None = _opt(None, "tokenizers JSON file (HuggingFaceTokenizer)")
+    vocab_file: str | None = _opt(None, "vocab.json (GPT2BPETokenizer)")
+    merge_file: str | None = _opt(None, "merges.txt (GPT2BPETokenizer)")
+    eod_token: str | None = _opt(None, "end-of-document token (default: found in the vocabulary)")
+    eod_mask_loss: bool = _opt(False, "no loss on positions whose input is end-of-document")
+    reset_position_ids: bool = _opt(False, "restart position ids after each end-of-document")
+    reset_attention_mask: bool = _opt(False, "block attention across documents (not supported yet)")
+    # ---- checkpoints, evaluation, logging ----
+    save: str | None = _opt(None, "checkpoint directory to write")
+    load: str | None = _opt(None, "checkpoint directory (or iter_* directory) to resume from")
+    save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
+    eval_interval: int = _opt(1000, "steps between validation runs")
+    eval_iters: int = _opt(100, "validation batches per run")
+    log_interval: int = _opt(100, "steps between metric logs")
+    tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
+    log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
+    seed: int = _opt(1234, "random seed (init and data order)")
+
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        """--split as three floats."""
+        try:
+            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1") from None
+        if len(parts) == 1:
+            parts += [0.0, 0.0]
+        if len(parts) != 3:
+            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1")
+        return tuple(parts)  # type: ignore[return-value]
+
+
+# Megatron flags that mean nothing here: accepted, with the reason.
+NOTED_FLAGS = {
+    "use_mcore_models": "dtmega has one model implementation",
+    "transformer_impl": "dtmega's Llama is plain PyTorch; kernels are chosen by the plan",
+    "use_flash_attn": "attention uses torch's scaled_dot_product_attention, which picks flash kernels itself",
+    "disable_bias_linear": "dtmega's Llama has no biases",
+    "no_masked_softmax_fusion": "fusion is torch.compile's job here",
+    "no_bias_swiglu_fusion": "fusion is torch.compile's job here",
+    "distributed_backend": "the backend follows the device (nccl on CUDA, gloo on CPU)",
+}
+_NOTED_WITH_VALUE = {"transformer_impl", "distributed_backend"}
+
+# Megatron flags for features other issues build: rejected with where they are planned.
+PLANNED_FLAGS = {
+    "num_layers_per_virtual_pipeline_stage": "pipeline parallelism",
+    "decoder_first_pipeline_num_layers": "pipeline parallelism",
+    "decoder_last_pipeline_num_layers": "pipeline parallelism",
+    "cp_comm_type": "context parallelism",
+    "num_experts": "mixture of experts",
+    "moe_router_topk": "mixture of experts",
+    "expert_model_parallel_size": "expert parallelism",
+    "fp8_format": "FP8 (Transformer Engine)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: str) -> type:
+    text = str(annotation)
+    for name, kind in (("list", list), ("bool", bool), ("int", int), ("float", float)):
+        if text.startswith(name) or text.startswith(f"{name} |"):
+            return kind
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `dtmega train` argument parser (every default suppressed, to see what was given)."""
+    parser = argparse.ArgumentParser(
+        prog="dtmega train", argument_default=argparse.SUPPRESS,
+        description="Pretrain a Llama with a parallel plan; flags follow Megatron-LM's pretrain_gpt.py.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML file of options (keys are flag names)")
+    for f in fields(TrainArgs):
+        kind = _base_type(f.type)
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(_flag(f.name), action="store_true", help=help_text)
+        elif kind is list:
+            parser.add_argument(_flag(f.name), nargs="+", help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), type=kind, choices=f.metadata.get("choices"), help=help_text)
+    for name in NOTED_FLAGS:
+        if name in _NOTED_WITH_VALUE:
+            parser.add_argument(_flag(name), help=f"accepted, no effect: {NOTED_FLAGS[name]}")
+        else:
+            parser.add_argument(_flag(name), action="store_true", help=f"accepted, no effect: {NOTED_FLAGS[name]}")
+    for name, feature in PLANNED_FLAGS.items():
+        parser.add_argument(_flag(name), help=f"not supported yet ({feature} is planned)")
+    return parser
+
+
+def _preset(name: str) -> dict[str, Any]:
+    if name not in NAMED_CONFIGS:
+        raise ArgumentError(f"--model {name!r} is unknown; choose one of {', '.join(NAMED_CONFIGS)}")
+    c = NAMED_CONFIGS[name]
+    preset = {
+        "num_layers": c.n_layers, "hidden_size": c.dim, "ffn_hidden_size": c.ffn_dim,
+        "num_attention_heads": c.n_heads, "group_query_attention": c.n_kv_heads != c.n_heads,
+        "num_query_groups": c.n_kv_heads, "rotary_base": c.rope_theta, "use_rope_scaling": c.rope_scaling is not None,
+        "norm_epsilon": c.norm_eps, "swiglu": True, "untie_embeddings_and_output_weights": not c.tie_embeddings,
+    }
+    return preset
+
+
+def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
+    """(args, notes) from a command line; notes are one-liners about accepted no-op flags."""
+    namespace = vars(build_parser().parse_args(argv))
+    notes = []
+    for name, reason in NOTED_FLAGS.items():
+        if namespace.pop(name, None) not in (None, False):
+            notes.append(f"{_flag(name)} accepted: {reason}")
+    for name, feature in PLANNED_FLAGS.items():
+        if name in namespace:
+            raise ArgumentError(f"{_flag(name)}: {feature} is not supported yet (planned in its own issue)")
+    values: dict[str, Any] = {}
+    config_path = namespace.pop("config", None)
+    preset = namespace.get("model")
+    file_values = {}
+    if config_path is not None:
+        file_values = {key.replace("-", "_"): value for key, value in load_toml(Path(config_path)).items()}
+        known = {f.name for f in fields(TrainArgs)}
+        unknown = sorted(set(file_values) - known)
+        if unknown:
+            raise ArgumentError(f"{config_path}: unknown option(s) {unknown}; keys are flag names such as 'train_iters'")
+        preset = namespace.get("model", file_values.get("model"))
+    if preset:
+        values.update(_preset(preset))
+    values.update(file_values)
+    values.update(namespace)
+    return TrainArgs(**values), notes
+
+
+def to_toml_dict(args: TrainArgs) -> dict[str, Any]:
+    """The options as TOML-ready data (None left out)."""
+    return {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+

@@ -1,0 +1,169 @@
+"""Checkpoints with torch.distributed.checkpoint: sharded, atomic, loadable under any plan.
+
+Layout of `--save DIR`:
+
+    DIR/latest                   name of the newest complete checkpoint (replaced atomically)
+    DIR/iter_0000100/            DCP shards of model + optimizer, state.json, tokenizer.json,
+                                 rng_rank*.pt
+    DIR/.iter_0000200.partial/   a save in progress (never read)
+
+A save writes everything into the `.partial` directory, renames it to `iter_*` only when every
+rank has finished, and then points `latest` at it. A process killed mid-save leaves `latest`
+on the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+LATEST = "latest"
+STATE = "state.json"
+TOKENIZER = "tokenizer.json"
+FORMAT = "dtmega-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used as asked; the message says why and what to do."""
+
+
+def _leader() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any], tokenizer_json: str | None = None,
+) -> Path:
+    """Saves model, optimizer, RNG and `state` (iteration, data position, config, ...) as
+    `root/iter_<iteration>`; collective over every rank."""
+    root = Path(root)
+    final = root / f"iter_{iteration:07d}"
+    partial = root / f".{final.name}.partial"
+    if _leader():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier()
+    shards: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(shards, checkpoint_id=str(partial))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               partial / f"rng_rank{rank:05d}.pt")
+    if _leader():
+        (partial / STATE).write_text(json.dumps({"format": FORMAT, **state}, indent=2))
+        if tokenizer_json is not None:
+            (partial / TOKENIZER).write_text(tokenizer_json)
+    _barrier()
+    if _leader():
+        if final.exists():  # saving the same iteration again: swap the old one out first
+            stale = root / f".{final.name}.stale"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+            shutil.rmtree(stale)
+        os.replace(partial, final)
+        _write_atomic(root / LATEST, final.name)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory `path` names: a --save directory (its `latest`) or an iter_* dir."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--load {path} does not exist. Fix: point it at a --save directory of an earlier run")
+    if (path / LATEST).exists():
+        target = path / (path / LATEST).read_text().strip()
+        if not (target / STATE).exists():
+            raise CheckpointError(f"{path / LATEST} names {target.name}, which is missing or incomplete")
+        return target
+    if (path / STATE).exists() and (path / ".metadata").exists():
+        return path
+    raise CheckpointError(
+        f"--load {path} holds no checkpoint (no '{LATEST}' file and no iter_* checkpoint). "
+        "Fix: point it at the --save directory of an earlier run"
+    )
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's state.json."""
+    state = json.loads((checkpoint / STATE).read_text())
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{checkpoint} is not a {FORMAT} checkpoint (format {state.get('format')!r})")
+    return state
+
+
+def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor]) -> None:
+    saved = {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+    current = {key: tuple(value.shape) for key, value in model_state.items()}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    different = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    if missing or unexpected or different:
+        lines = [f"{checkpoint} was saved from a different model:"]
+        for names, describe in (
+            (different, lambda k: f"checkpoint {saved[k]} vs model {current[k]}"),
+            (missing, lambda k: "in the model, not in the checkpoint"),
+            (unexpected, lambda k: "in the checkpoint, not in the model"),
+        ):
+            lines += [f"  {k}: {describe(k)}" for k in names[:20]]
+            if len(names) > 20:
+                lines.append(f"  ... and {len(names) - 20} more like these")
+        lines.append("Fix: build the model with the checkpoint's configuration (its state.json), or load another checkpoint")
+        raise CheckpointError("\n".join(lines))
+
+
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True
+) -> dict[str, Any]:
+    """Loads `path` into `model` (and `optimizer`), resharding to the current plan; returns the
+    saved state. Shapes are checked first, so a mismatch fails on every rank before any I/O."""
+    checkpoint = resolve_checkpoint(path)
+    state = read_state(checkpoint)
+    shards: dict[str, Any] = {"model": get_model_state_dict(model)}
+    _check_shapes(checkpoint, shards["model"])
+    if optimizer is not None:
+        shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(shards, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=True))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, shards["optimizer"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_file = checkpoint / f"rng_rank{rank:05d}.pt"
+    if restore_rng and state.get("world_size") == world and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return state

@@ -1,0 +1,160 @@
+"""Training metrics: FLOPs, MFU, memory, and where they go (rich, TensorBoard, metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from dtmega.models.llama_config import LlamaConfig
+
+# Dense peak TFLOP/s from vendor datasheets: (bf16/fp16 tensor core, fp32 without TF32).
+GPU_PEAK_TFLOPS = {
+    "H200": (989.4, 66.9), "H100 SXM": (989.4, 66.9), "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9),
+    "A100": (312.0, 19.5), "L40S": (362.1, 91.6), "L4": (121.0, 30.3), "A10G": (70.0, 31.2),
+    "A10": (125.0, 31.2), "V100": (125.0, 15.7), "RTX 4090": (165.2, 82.6), "RTX 3090": (71.0, 35.6),
+}
+
+
+def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
+    """Model FLOPs per trained token (forward + backward, recompute not counted): 6 x the
+    non-embedding parameters (output layer included) + the attention scores and values,
+    12 x layers x dim x seq (PaLM's accounting)."""
+    embedding = config.vocab_size * config.dim
+    # The input lookup costs no FLOPs; a tied matrix still does the output projection.
+    dense = config.num_params() - (0 if config.tie_embeddings else embedding)
+    return 6.0 * dense + 12.0 * config.n_layers * config.dim * seq_length
+
+
+def measure_cpu_peak_flops(seconds: float = 0.5, size: int = 1024) -> float:
+    """FLOP/s this process reaches on an fp32 matmul (the CPU has no datasheet figure to use)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2.0 * size**3 * runs / (time.perf_counter() - start)
+
+
+def peak_flops(device_type: str, low_precision: bool) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the figure comes from)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, (half, single) in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return (half if low_precision else single) * 1e12, f"datasheet {key} {'bf16/fp16' if low_precision else 'fp32'}"
+        return float("nan"), f"unknown GPU {name!r}: no datasheet peak, MFU not reported"
+    # Rank 0 measures alone (the others wait) so ranks sharing cores do not skew the figure.
+    import torch.distributed as dist
+
+    value = [measure_cpu_peak_flops() if not dist.is_initialized() or dist.get_rank() == 0 else 0.0]
+    if dist.is_initialized():
+        dist.broadcast_object_list(value, src=0)
+    flops = value[0]
+    return flops, f"measured CPU fp32 matmul peak of one rank alone, {flops / 1e9:.1f} GFLOP/s"
+
+
+def memory_gib(device_type: str) -> float:
+    """Peak memory of this rank: allocated device memory on CUDA, resident set size on CPU."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    """Writes each logged step to rank 0's console (a live table on a terminal, one line per
+    log otherwise), TensorBoard and a JSONL file."""
+
+    COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "memory_gib")
+    LIVE_ROWS = 15
+
+    def __init__(self, *, leader: bool, tensorboard_dir: str | None, log_file: str | None, console: Console,
+                 total_steps: int | None = None):
+        self.leader, self.console = leader, console
+        self.writer = self.jsonl = self.live = None
+        self.rows: list[tuple[str, ...]] = []
+        if leader and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir)
+        if leader and log_file:
+            Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(log_file, "a")
+        if leader and console.is_terminal:
+            self.live = Live(self._table(), console=console, refresh_per_second=4)
+            self.live.start()
+
+    def _write(self, record: dict, prefix: str) -> None:
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.writer:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def _table(self, rows: list[tuple[str, ...]] | None = None, header: bool = True) -> Table:
+        table = Table(show_header=header, box=None, pad_edge=False)
+        for column in self.COLUMNS:
+            table.add_column(column, justify="right", width=max(11, len(column)))
+        for row in rows if rows is not None else self.rows[-self.LIVE_ROWS:]:
+            table.add_row(*row)
+        return table
+
+    @staticmethod
+    def _cell(column: str, value) -> str:
+        if value is None:
+            return "-"
+        if column == "lr":
+            return f"{value:.3e}"
+        if column in ("loss", "grad_norm", "mfu", "tflops_per_device"):
+            return f"{value:.4f}"
+        return f"{value:,.1f}" if isinstance(value, float) else str(value)
+
+    def log(self, record: dict) -> None:
+        """One training step's metrics (identical on every rank; only the leader writes)."""
+        if not self.leader:
+            return
+        self._write(record, "train")
+        row = tuple(self._cell(c, record.get(c)) for c in self.COLUMNS)
+        self.rows.append(row)
+        if self.live:
+            self.live.update(self._table())
+        else:
+            self.console.print(self._table([row], header=len(self.rows) == 1))
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """A validation result: loss and perplexity."""
+        if not self.leader:
+            return
+        record = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        self._write(record, "valid")
+        self.event(f"step {step}: validation loss {loss:.4f}, perplexity {record['val_ppl']:.2f}")
+
+    def event(self, message: str) -> None:
+        """A one-off line (evaluation results, checkpoints)."""
+        if self.leader:
+            (self.live.console if self.live else self.console).print(message)
+
+    def close(self) -> None:
+        if self.live:
+            self.live.stop()
+        if self.writer:
+            self.writer.close()
+        if self.jsonl:
+            self.jsonl.close()
+
+
+def make_console(leader: bool) -> Console:
+    """Rank 0's console (wide when not a terminal, so logs stay one line per step)."""
+    return Console(quiet=not leader, width=None if sys.stdout.isatty() else 150)

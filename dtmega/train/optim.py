@@ -1,0 +1,104 @@
+"""The optimizer side of a step: AdamW groups, the global gradient norm, clipping, and fp16
+dynamic loss scaling. All of it works on DTensor parameters of any plan."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+          eps: float) -> torch.optim.AdamW:
+    """AdamW with no weight decay on norms and biases (every 1-D parameter)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim <= 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+# Reducing a scalar norm over a 2-D mesh takes two all-reduces; torch warns about it once per
+# process, which is noise for a scalar.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _group_key(grad: torch.Tensor):
+    if isinstance(grad, DTensor):
+        return grad.device_mesh, tuple(grad.placements)
+    return None, None
+
+
+@torch.no_grad()
+def global_grad_norm(parameters) -> float:
+    """The L2 norm of all gradients as if unsharded (identical on every rank).
+
+    One reduction per (mesh, placements) group of gradients, not one per gradient.
+    """
+    groups = defaultdict(list)
+    for param in parameters:
+        if param.grad is not None:
+            groups[_group_key(param.grad)].append(param.grad)
+    total = 0.0
+    for grads in groups.values():
+        norms = torch._foreach_norm(grads, 2.0)
+        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total += float(norm) ** 2
+    return math.sqrt(total)
+
+
+@torch.no_grad()
+def scale_grads(parameters, factor: float) -> None:
+    """Multiplies every gradient by `factor` (local shards, no communication)."""
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            grad.mul_(factor)
+
+
+@dataclass
+class LossScaler:
+    """fp16 loss scaling as Megatron does it: dynamic (halve after `hysteresis` overflows,
+    double after `window` clean steps) or static (`dynamic=False`)."""
+
+    scale: float = 2.0**32
+    dynamic: bool = True
+    min_scale: float = 1.0
+    window: int = 1000
+    hysteresis: int = 2
+    _clean_steps: int = 0
+    _overflows_left: int = 2
+
+    def __post_init__(self) -> None:
+        self._overflows_left = self.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        """Adjusts the scale after a step that did (or did not) overflow."""
+        if not self.dynamic:
+            return
+        if overflow:
+            self._clean_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+                self._overflows_left = self.hysteresis
+        else:
+            self._clean_steps += 1
+            if self._clean_steps % self.window == 0:
+                self.scale *= 2.0
+                self._overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "overflows_left": self._overflows_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self._overflows_left = int(state["overflows_left"])

@@ -1,0 +1,49 @@
+"""Rebuild a trained model from a checkpoint alone (config, tokenizer and weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import dtmega
+from dtmega.data.tokenizers import Tokenizer, tokenizer_from_json
+from dtmega.mesh import default_device_type
+from dtmega.models import Llama
+from dtmega.passes import DataParallel, Plan, TensorParallel
+from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, resolve_checkpoint
+from dtmega.train.setup import config_from_dict
+
+
+def restore(
+    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None
+) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
+    """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
+    tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
+    sub-mesh of a larger job)."""
+    checkpoint = resolve_checkpoint(load)
+    state = read_state(checkpoint)
+    config = config_from_dict(state["model_config"])
+    tokenizer_file = checkpoint / TOKENIZER
+    if not tokenizer_file.exists():
+        raise FileNotFoundError(f"{checkpoint} has no {TOKENIZER}; it was not written by `dtmega train`")
+    tokenizer = tokenizer_from_json(tokenizer_file.read_text(), state.get("tokenizer", {}).get("eod_token"))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but its model only {config.vocab_size}"
+        )
+    if mesh is None:
+        device_type = default_device_type()
+        if data_parallel == "ddp":
+            mesh = dtmega.make_mesh(tp=tp, dp_replicate=-1, dp_shard=1, device_type=device_type)
+        else:
+            mesh = dtmega.make_mesh(tp=tp, dp_shard=-1 if data_parallel else 1, device_type=device_type)
+    passes = [TensorParallel()] if tp > 1 else []
+    if data_parallel:
+        passes.append(DataParallel(data_parallel))
+    with torch.device("meta"):
+        model = Llama(config)
+    pm = dtmega.parallelize(model, mesh, Plan(passes))
+    pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
+    load_checkpoint(checkpoint, pm.module, restore_rng=False)
+    return pm, tokenizer, state

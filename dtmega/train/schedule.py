@@ -1,0 +1,55 @@
+"""Learning-rate schedules with Megatron's semantics: linear warmup from 0, then constant,
+linear, cosine or WSD (warmup-stable-decay) down to min_lr at lr_decay_iters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class LRSchedule:
+    """lr(step) for step = 1, 2, ... (the step about to be taken)."""
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    style: str = "linear"
+    wsd_decay_steps: int | None = None
+    wsd_style: str = "linear"
+
+    def __post_init__(self) -> None:
+        if self.style not in ("constant", "linear", "cosine", "WSD"):
+            raise ValueError(f"--lr-decay-style {self.style!r} is unknown")
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.max_lr}")
+        if self.style != "constant" and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"--lr-decay-iters {self.decay_steps} must exceed --lr-warmup-iters {self.warmup_steps}"
+            )
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.max_lr * step / self.warmup_steps
+        if self.style == "constant":
+            return self.max_lr
+        if step > self.decay_steps:
+            return self.min_lr
+        span = self.decay_steps - self.warmup_steps
+        if self.style == "WSD":
+            anneal = self.wsd_decay_steps or max(1, span // 10)
+            stable_until = self.decay_steps - anneal
+            if step <= stable_until:
+                return self.max_lr
+            ratio = (step - stable_until) / anneal
+            coeff = {
+                "linear": 1.0 - ratio,
+                "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0),
+                "exponential": (2.0 * (0.5 ** ratio)) - 1.0,
+                "minus_sqrt": 1.0 - math.sqrt(ratio),
+            }[self.wsd_style]
+        else:
+            ratio = (step - self.warmup_steps) / span
+            coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)

@@ -1,0 +1,167 @@
+"""From arguments to a run: validated sizes, the model config, the mesh shape and the plan.
+
+Everything here is a pure function of the arguments, the world size and the tokenizer, so it
+runs identically on every rank and every bad combination fails before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dtmega.data.tokenizers import TokenizerSpec
+from dtmega.models.llama_config import LlamaConfig, RopeScaling
+from dtmega.passes import DataParallel, Pass, Plan, Recompute, SequenceParallel, TensorParallel
+from dtmega.train.args import ArgumentError, TrainArgs
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How the world is used and how a global batch is cut."""
+
+    world: int
+    tp: int
+    dp: int
+    dp_replicate: int
+    dp_shard: int
+    micro_batch: int
+    global_batch: int
+    accumulation: int
+
+
+def reject_unsupported(args: TrainArgs) -> None:
+    """Flags whose feature does not exist (yet), with what to do instead."""
+    if args.pipeline_model_parallel_size != 1:
+        raise ArgumentError("--pipeline-model-parallel-size > 1: pipeline parallelism is not supported yet (planned)")
+    if args.context_parallel_size != 1:
+        raise ArgumentError("--context-parallel-size > 1: context parallelism is not supported yet (planned)")
+    if args.attention_dropout or args.hidden_dropout:
+        raise ArgumentError(
+            "--attention-dropout/--hidden-dropout > 0: dropout is not supported yet (Llama pretraining uses "
+            "none). Fix: pass --attention-dropout 0 --hidden-dropout 0"
+        )
+    if args.normalization != "RMSNorm":
+        raise ArgumentError(f"--normalization {args.normalization}: only RMSNorm is supported yet")
+    if args.position_embedding_type != "rope":
+        raise ArgumentError(f"--position-embedding-type {args.position_embedding_type}: only rope is supported yet")
+    if args.reset_attention_mask:
+        raise ArgumentError("--reset-attention-mask: document-masked attention is not supported yet")
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are exclusive; choose one")
+
+
+def run_shape(args: TrainArgs, world: int) -> RunShape:
+    """Data-parallel size, batch split and accumulation; ArgumentError for sizes that do not fit."""
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}")
+    dp = world // tp
+    micro = args.micro_batch_size
+    if micro < 1:
+        raise ArgumentError(f"--micro-batch-size must be >= 1, got {micro}")
+    global_batch = args.global_batch_size or micro * dp
+    if global_batch % (micro * dp):
+        raise ArgumentError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro} x data-parallel "
+            f"size {dp} (= {micro * dp}). Fix: use a multiple of {micro * dp}, e.g. {max(1, global_batch // (micro * dp)) * micro * dp}"
+        )
+    mode = data_parallel_mode(args)
+    shard = dp
+    replicate = 1
+    if mode == "ddp":
+        replicate, shard = dp, 1
+    elif mode == "hsdp":
+        shard = args.data_parallel_shard_size or 0
+        if shard < 1 or dp % shard or shard == dp:
+            raise ArgumentError(
+                f"--data-parallel hsdp needs --data-parallel-shard-size dividing the data-parallel size {dp} "
+                "(and smaller than it)"
+            )
+        replicate = dp // shard
+    return RunShape(world, tp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
+
+
+def data_parallel_mode(args: TrainArgs) -> str:
+    """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
+    if args.data_parallel:
+        return args.data_parallel
+    return "fsdp" if args.use_distributed_optimizer else "ddp"
+
+
+def padded_vocab(vocab: int, args: TrainArgs) -> int:
+    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x TP size."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
+    """The Llama the arguments describe, with the tokenizer's (padded) vocabulary."""
+    required = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                "num_attention_heads": args.num_attention_heads}
+    missing = [f"--{k.replace('_', '-')}" for k, v in required.items() if v is None]
+    if missing:
+        raise ArgumentError(f"the model needs {', '.join(missing)} (or a preset: --model llama3-8b)")
+    heads = args.num_attention_heads
+    kv_heads = args.num_query_groups if args.group_query_attention else heads
+    if args.group_query_attention and not args.num_query_groups:
+        raise ArgumentError("--group-query-attention needs --num-query-groups")
+    ffn = args.ffn_hidden_size or int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    try:
+        return LlamaConfig(
+            dim=args.hidden_size, n_layers=args.num_layers, n_heads=heads, n_kv_heads=kv_heads,
+            vocab_size=padded_vocab(tokenizer_vocab, args), ffn_dim=ffn, norm_eps=args.norm_epsilon,
+            rope_theta=args.rotary_base, rope_scaling=RopeScaling() if args.use_rope_scaling else None,
+            max_seq_len=args.max_position_embeddings or args.seq_length,
+            tie_embeddings=not args.untie_embeddings_and_output_weights, init_std=args.init_method_std,
+        )
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+
+
+def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
+    """The pass sequence the flags ask for."""
+    passes: list[Pass] = []
+    if shape.tp > 1:
+        passes.append(TensorParallel())
+    if args.sequence_parallel:
+        if shape.tp == 1:
+            raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        passes.append(SequenceParallel())
+    if args.recompute_granularity == "selective":
+        passes.append(Recompute("selective"))
+    elif args.recompute_granularity == "full":
+        count = args.recompute_num_layers
+        if args.recompute_method == "block":
+            passes.append(Recompute("full", first=count or n_layers))
+        elif args.recompute_method in (None, "uniform") and count in (None, 1):
+            passes.append(Recompute("full"))
+        else:
+            raise ArgumentError(
+                f"--recompute-method uniform with --recompute-num-layers {count} (one checkpoint per group of "
+                "blocks) is not supported yet; use --recompute-num-layers 1 or --recompute-method block"
+            )
+    elif args.recompute_method or args.recompute_num_layers:
+        raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+    precision = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    passes.append(DataParallel(data_parallel_mode(args), param_dtype=precision, reduce_dtype="float32"))
+    return Plan(passes)
+
+
+def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
+    """The tokenizer the data was prepared with."""
+    if args.tokenizer_type is None:
+        raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
+    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
+
+
+def config_to_dict(config: LlamaConfig) -> dict:
+    """LlamaConfig as JSON-ready data."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict) -> LlamaConfig:
+    """Inverse of `config_to_dict`."""
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    return LlamaConfig(**data)

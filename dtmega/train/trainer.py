@@ -1,0 +1,259 @@
+"""`dtmega train`: one loop for every plan.
+
+    torchrun --nproc-per-node 4 -m dtmega train --config run.toml
+    torchrun --nproc-per-node 8 -m dtmega train --model llama3-8b --tensor-model-parallel-size 4 ...
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import dtmega
+from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
+from dtmega.data.indexed import read_stats
+from dtmega.data.loader import BatchLoader
+from dtmega.data.tokenizers import build_tokenizer
+from dtmega.mesh import default_device_type, init_distributed
+from dtmega.models import Llama
+from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
+from dtmega.train.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
+from dtmega.train.optim import LossScaler, adamw, global_grad_norm, scale_grads
+from dtmega.train.schedule import LRSchedule
+from dtmega.train.setup import (
+    build_plan, config_to_dict, model_config, reject_unsupported, run_shape, tokenizer_spec,
+)
+
+
+@dataclass
+class TrainResult:
+    """What a run did (returned to tests and scripts; rank-identical)."""
+
+    losses: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    iteration: int = 0
+    checkpoint: Path | None = None
+    unigram_entropy: float | None = None
+
+
+def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
+    """Fails if a dataset holds ids the model cannot embed; returns the (first) dataset's
+    unigram entropy when preprocessing recorded it."""
+    entropy = None
+    for _, prefix in parse_data_path(list(args.data_path)):
+        stats = read_stats(prefix)
+        if stats is None:
+            continue
+        if stats["max_token_id"] >= vocab_size:
+            raise ArgumentError(
+                f"{prefix} holds token id {stats['max_token_id']}, but the model's vocabulary has {vocab_size} "
+                "ids: the data was tokenized with a larger vocabulary than this run's tokenizer. Fix: pass the "
+                "tokenizer the data was preprocessed with"
+            )
+        entropy = stats["unigram_entropy_nats"] if entropy is None else entropy
+    return entropy
+
+
+def vocab_from_checkpoint(load: str, config, tokenizer_vocab: int, tp: int):
+    """The checkpoint decides the padded vocabulary (padding depends on the TP size it was
+    trained with), so a run may resume under another TP size."""
+    saved = read_state(resolve_checkpoint(load))["model_config"]["vocab_size"]
+    if saved == config.vocab_size:
+        return config
+    if saved < tokenizer_vocab or saved % tp:
+        raise ArgumentError(
+            f"the checkpoint's vocabulary ({saved} rows) cannot serve this run: the tokenizer has {tokenizer_vocab} "
+            f"tokens and TP {tp} needs a multiple of {tp}"
+        )
+    return config.replace(vocab_size=saved)
+
+
+def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int) -> float:
+    """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`."""
+    loader = BatchLoader(dataset, shape.global_batch, pm.dp_rank, shape.dp, eod=eod,
+                         eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+    total, tokens = 0.0, 0.0
+    pm.eval()
+    for _, batch in zip(range(args.eval_iters), loader):
+        loss_sum, count = pm.loss_sum(batch.to(pm.mesh.device_type))
+        total, tokens = total + float(loss_sum), tokens + float(count)
+    pm.train()
+    return total / max(tokens, 1.0)
+
+
+class Trainer:
+    """Holds the run's pieces; `run()` trains, evaluates, logs and checkpoints."""
+
+    def __init__(self, args: TrainArgs, notes: list[str]):
+        reject_unsupported(args)
+        missing = [flag for flag, value in (("--train-iters", args.train_iters), ("--lr", args.lr)) if value is None]
+        if missing or not args.data_path:
+            raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
+        self.args = args
+        self.device_type = default_device_type()
+        init_distributed(self.device_type)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.leader = self.rank == 0
+        self.console = make_console(self.leader)
+        for note in notes:
+            self.console.print(f"[dim]note: {note}[/dim]")
+        if not args.swiglu:
+            self.console.print("[dim]note: dtmega's Llama uses SwiGLU (Megatron's default MLP is GeLU)[/dim]")
+        self.shape = run_shape(args, world)
+        self.tokenizer_spec = tokenizer_spec(args)
+        self.tokenizer = build_tokenizer(self.tokenizer_spec)
+        self.config = model_config(args, self.tokenizer.vocab_size)
+        if args.load:
+            self.config = vocab_from_checkpoint(args.load, self.config, self.tokenizer.vocab_size, self.shape.tp)
+        self.unigram_entropy = check_data_vocab(args, self.config.vocab_size)
+        self.plan = build_plan(args, self.shape, self.config.n_layers)
+        g = self.shape.global_batch
+        sizes = {"train": args.train_iters * g, "valid": args.eval_iters * g, "test": args.eval_iters * g}
+        self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
+        if self.datasets["train"] is None:
+            raise ArgumentError(f"--split {args.split} leaves no training documents")
+        self.mesh = dtmega.make_mesh(
+            dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, tp=self.shape.tp,
+            device_type=self.device_type,
+        )
+        with torch.device("meta"):
+            model = Llama(self.config)
+        self.pm = dtmega.parallelize(model, self.mesh, self.plan)
+        self.pm.init_weights(seed=args.seed)
+        if args.compile:
+            self.pm.compile(backend=args.compile)
+        self.optimizer = adamw(self.pm.module, lr=args.lr, weight_decay=args.weight_decay,
+                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.schedule = LRSchedule(
+            args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
+            args.lr_decay_style, args.lr_wsd_decay_iters, args.lr_wsd_decay_style,
+        )
+        self.scaler = None
+        if args.fp16:
+            static = args.loss_scale is not None
+            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, dynamic=not static,
+                                     min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
+        self.iteration, consumed = 0, 0
+        if args.load:
+            state = load_checkpoint(args.load, self.pm.module, self.optimizer)
+            self.iteration, consumed = state["iteration"], state["consumed_samples"]
+            if self.scaler and state.get("loss_scaler"):
+                self.scaler.load_state_dict(state["loss_scaler"])
+            self.console.print(f"resumed from {args.load} at step {self.iteration} ({consumed} samples consumed)")
+        self.loader = BatchLoader(
+            self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
+            eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
+        )
+        self.flops_per_token = flops_per_token(self.config, args.seq_length)
+        self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
+        self.logger = MetricsLogger(leader=self.leader, tensorboard_dir=args.tensorboard_dir,
+                                    log_file=args.log_file, console=self.console)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, batch) -> tuple[float, float, bool]:
+        """Forward, backward, clip, update; returns (loss, grad norm, skipped)."""
+        params = list(self.pm.parameters())
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+        if scale != 1.0:
+            scale_grads(params, 1.0 / scale)
+        grad_norm = global_grad_norm(params)
+        overflow = not math.isfinite(grad_norm)
+        if self.scaler:
+            self.scaler.update(overflow)
+        if not overflow:
+            if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
+                scale_grads(params, self.args.clip_grad / (grad_norm + 1e-6))
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.schedule(self.iteration + 1)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss), grad_norm, overflow
+
+    def _state(self) -> dict:
+        return {
+            "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples,
+            "world_size": self.shape.world, "model_config": config_to_dict(self.config),
+            "args": to_toml_dict(self.args), "plan": self.plan.to_toml(),
+            "tokenizer": self.tokenizer_spec.to_dict(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def save(self) -> Path:
+        path = save_checkpoint(self.args.save, self.iteration, self.pm.module, self.optimizer, self._state(),
+                               tokenizer_json=self.tokenizer.to_json())
+        self.logger.event(f"saved checkpoint {path}")
+        return path
+
+    def validate(self, result: TrainResult) -> None:
+        if self.datasets["valid"] is None or self.args.eval_iters <= 0:
+            return
+        loss = evaluate_loss(self.pm, self.datasets["valid"], self.args, self.shape, self.tokenizer.eod)
+        result.validation.append((self.iteration, loss))
+        self.logger.log_validation(self.iteration, loss)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        args, shape = self.args, self.shape
+        result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
+        self.console.print(self.pm.report())
+        self.console.print(
+            f"{self.config.num_params():,} parameters | world {shape.world} = TP {shape.tp} x DP {shape.dp} | "
+            f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
+            f"{shape.accumulation} | {args.seq_length} tokens/sample | MFU peak: {self.peak_source}"
+        )
+        if self.unigram_entropy is not None:
+            self.console.print(f"unigram entropy of the data: {self.unigram_entropy:.3f} nats/token")
+        window_losses, window_start, skipped = [], time.perf_counter(), 0
+        window_steps = 0
+        while self.iteration < args.train_iters:
+            batch = next(self.loader).to(self.device_type)
+            loss, grad_norm, overflow = self.step(batch)
+            self.iteration += 1
+            result.losses.append(loss)
+            window_losses.append(loss)
+            window_steps += 1
+            skipped += int(overflow)
+            last = self.iteration == args.train_iters
+            if self.iteration % args.log_interval == 0 or last:
+                if self.device_type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tokens = window_steps * shape.global_batch * args.seq_length
+                tflops = self.flops_per_token * tokens / elapsed / shape.world / 1e12
+                self.logger.log({
+                    "step": self.iteration, "loss": sum(window_losses) / len(window_losses),
+                    "lr": self.schedule(self.iteration), "grad_norm": grad_norm,
+                    "tokens_per_s": tokens / elapsed, "tflops_per_device": tflops,
+                    "mfu": tflops * 1e12 / self.peak if math.isfinite(self.peak) else None,
+                    "memory_gib": memory_gib(self.device_type), "skipped_steps": skipped,
+                    "consumed_samples": self.loader.consumed_samples,
+                    **({"loss_scale": self.scaler.scale} if self.scaler else {}),
+                })
+                window_losses, window_steps, window_start = [], 0, time.perf_counter()
+            if self.iteration % args.eval_interval == 0 or last:
+                self.validate(result)
+            if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last):
+                result.checkpoint = self.save()
+        result.iteration = self.iteration
+        if result.losses and self.unigram_entropy is not None:
+            self.console.print(
+                f"final training loss {result.losses[-1]:.3f} vs unigram entropy {self.unigram_entropy:.3f} nats"
+            )
+        self.logger.close()
+        return result
+
+
+def train(argv: list[str]) -> TrainResult:
+    """Runs `dtmega train` with command-line style arguments."""
+    args, notes = parse_train_args(argv)
+    return Trainer(args, notes).run()
+
+
+main = train

@@ -1,0 +1,45 @@
+"""A tiny training configuration over a synthetic byte-level corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dtmega.data.preprocess import PreprocessConfig, preprocess
+from dtmega.data.tokenizers import TokenizerSpec
+from tests.corpus import make_texts, write_jsonl
+
+
+def prepare_corpus(root: Path, documents: int = 400) -> str:
+    """Byte-tokenized corpus prefix (made once by rank 0; every rank gets the prefix)."""
+    prefix = root / "data" / "corpus"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if not Path(f"{prefix}_text_document.idx").exists():
+            source = write_jsonl(root / "corpus.jsonl", make_texts(documents, seed=3))
+            preprocess(PreprocessConfig(input=source, output_prefix=str(prefix), tokenizer=TokenizerSpec("byte"),
+                                        append_eod=True, progress=False))
+    if dist.is_initialized():
+        dist.barrier()
+    return f"{prefix}_text_document"
+
+
+def tiny_args(data: str, **overrides) -> list[str]:
+    """`dtmega train` flags of a 2-block model that trains in seconds; overrides are flag=value."""
+    options = {
+        "num-layers": 2, "hidden-size": 64, "ffn-hidden-size": 128, "num-attention-heads": 8,
+        "num-query-groups": 4, "seq-length": 32, "micro-batch-size": 2, "global-batch-size": 8,
+        "train-iters": 20, "lr": 3e-3, "min-lr": 3e-4, "lr-decay-style": "cosine", "lr-warmup-iters": 4,
+        "weight-decay": 0.1, "clip-grad": 1.0, "data-path": data, "split": "90,10,0",
+        "tokenizer-type": "byte", "eval-interval": 10, "eval-iters": 2, "log-interval": 5, "seed": 11,
+    }
+    options.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    if "lr_warmup_iters" not in overrides:  # short runs need warmup < decay
+        options["lr-warmup-iters"] = min(4, int(options["train-iters"]) // 2)
+    argv = ["--group-query-attention", "--swiglu"]
+    for key, value in options.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value not in (None, False):
+            argv += [f"--{key}", str(value)]
+    return argv

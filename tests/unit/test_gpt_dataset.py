@@ -1,0 +1,110 @@
+"""GPT samples, splits, blends and the data-parallel loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dtmega.data.blend import DataConfig, blending_indices, build_datasets, parse_data_path
+from dtmega.data.gpt_dataset import DatasetTooSmallError, GPTDataset, GPTDatasetSpec, split_documents
+from dtmega.data.indexed import IndexedDataset, IndexedDatasetWriter
+from dtmega.data.loader import BatchLoader, sample_to_fields
+
+EOD = 99
+
+
+def corpus(path, documents=50, seed=0):
+    """Documents of distinct increasing ids so every token says where it came from."""
+    rng = np.random.RandomState(seed)
+    writer = IndexedDatasetWriter(path, np.int32)
+    token = 1000
+    for _ in range(documents):
+        length = rng.randint(3, 30)
+        writer.add_document([np.arange(token, token + length)])
+        token += length
+    writer.finalize()
+    return IndexedDataset(path)
+
+
+def test_split_documents_like_megatron():
+    assert split_documents([969, 30, 1], 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_documents([98, 2, 0], 50) == [(0, 49), (49, 50), (50, 50)]
+    with pytest.raises(ValueError, match="three non-negative weights"):
+        split_documents([1, 1], 10)
+
+
+def test_samples_are_consecutive_windows_of_the_shuffled_stream(tmp_path):
+    data = corpus(tmp_path / "c")
+    spec = GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 16, 100, seed=3)
+    dataset = GPTDataset(data, spec)
+    order = dataset.index["order"]
+    stream = np.concatenate([data[int(s)] for s in order])
+    unshuffled = np.argsort(dataset.index["shuffle"])
+    for j in range(len(dataset)):
+        assert np.array_equal(dataset[unshuffled[j]], stream[j * 16: j * 16 + 17])
+    epoch = len(data)
+    assert sorted(order[:epoch]) == list(range(epoch))  # every document once per epoch
+
+
+def test_deterministic_by_seed_and_cached_on_disk(tmp_path):
+    data = corpus(tmp_path / "c")
+    make = lambda seed: GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 8, 40, seed))  # noqa: E731
+    first, again, other = make(1), make(1), make(2)
+    assert spec_dir_count(tmp_path) == 2
+    assert all(np.array_equal(first[i], again[i]) for i in range(len(first)))
+    assert not all(np.array_equal(first[i], other[i]) for i in range(len(first)))
+
+
+def spec_dir_count(tmp_path):
+    return len(list((tmp_path / "c.dtmega-index").iterdir()))
+
+
+def test_dataset_smaller_than_one_sample(tmp_path):
+    data = corpus(tmp_path / "c", documents=2)
+    with pytest.raises(DatasetTooSmallError, match="fewer than one sample of --seq-length 4096"):
+        GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 2), 4096, 10, 0))
+
+
+def test_parse_data_path_forms_and_errors():
+    assert parse_data_path(["a"]) == [(1.0, "a")]
+    assert parse_data_path(["a", "b"]) == [(1.0, "a"), (1.0, "b")]
+    assert parse_data_path(["1", "a", "3", "b"]) == [(0.25, "a"), (0.75, "b")]
+    with pytest.raises(ValueError, match="mixes weights and paths unevenly"):
+        parse_data_path(["0.3", "a", "b"])
+    with pytest.raises(ValueError, match="mixes weights and paths unevenly"):
+        parse_data_path(["0.3", "a", "0.7"])
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_data_path(["-1", "a", "2", "b"])
+    with pytest.raises(ValueError, match="is empty"):
+        parse_data_path([])
+
+
+def test_blends_follow_the_weights(tmp_path):
+    dataset_index, sample_index = blending_indices(np.array([0.3, 0.7]), 1000)
+    assert abs((dataset_index == 0).mean() - 0.3) < 0.002
+    assert list(sample_index[dataset_index == 1][:5]) == [0, 1, 2, 3, 4]
+    corpus(tmp_path / "a", seed=1)
+    corpus(tmp_path / "b", seed=2)
+    config = DataConfig((str(0.25), str(tmp_path / "a"), str(0.75), str(tmp_path / "b")), (90, 10, 0), 8, 5)
+    datasets = build_datasets(config, {"train": 200, "valid": 20, "test": 20})
+    assert len(datasets["train"]) == 200 and len(datasets["valid"]) == 20 and datasets["test"] is None
+
+
+def test_loader_slices_global_batches_by_rank_and_resumes(tmp_path):
+    data = corpus(tmp_path / "c")
+    dataset = GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 8, 64, 0))
+    ranks = [BatchLoader(dataset, 8, rank, 2, eod=EOD) for rank in range(2)]
+    first = [next(loader)["tokens"] for loader in ranks]
+    assert np.array_equal(np.concatenate(first), np.stack([dataset[i][:-1] for i in range(8)]))
+    resumed = BatchLoader(dataset, 8, 1, 2, eod=EOD, consumed_samples=8)
+    assert np.array_equal(next(resumed)["tokens"], next(ranks[1])["tokens"])
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        BatchLoader(dataset, 8, 0, 3, eod=EOD)
+
+
+def test_eod_loss_mask_and_position_reset():
+    sample = np.array([[5, 6, EOD, 7, 8, EOD, 9]])
+    fields = sample_to_fields(sample, EOD, eod_mask_loss=True, reset_position_ids=True)
+    assert fields["labels"].tolist() == [[6, EOD, 7, 8, EOD, 9]]
+    assert fields["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 0]]
+    assert fields["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2]]

@@ -1,0 +1,106 @@
+"""Megatron's indexed dataset format, byte for byte, in both directions, and its errors."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from dtmega.data.indexed import DatasetFormatError, IndexedDataset, IndexedDatasetWriter, token_dtype
+
+DOCUMENTS = [[[5, 6, 7]], [[1], [2, 3]], [], [[9] * 40]]  # documents of sequences; one empty document
+
+
+def write(prefix, dtype=np.uint16):
+    writer = IndexedDatasetWriter(prefix, dtype)
+    for document in DOCUMENTS:
+        writer.add_document([np.array(s) for s in document])
+    writer.finalize()
+
+
+def test_index_bytes_are_megatrons_layout(tmp_path):
+    write(tmp_path / "d")
+    lengths = [3, 1, 2, 40]
+    pointers = [0, 6, 8, 12]  # byte offsets of uint16 tokens
+    documents = [0, 1, 3, 3, 4]
+    expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8) + struct.pack("<Q", 4)
+                + struct.pack("<Q", 5) + np.array(lengths, np.int32).tobytes() + np.array(pointers, np.int64).tobytes()
+                + np.array(documents, np.int64).tobytes())
+    assert (tmp_path / "d.idx").read_bytes() == expected
+    assert (tmp_path / "d.bin").read_bytes() == np.array([5, 6, 7, 1, 2, 3] + [9] * 40, np.uint16).tobytes()
+
+
+def test_megatron_reads_what_dtmega_writes(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
+
+    write(tmp_path / "d")
+    theirs = MegatronDataset(str(tmp_path / "d"))
+    ours = IndexedDataset(tmp_path / "d")
+    assert len(theirs) == len(ours) == 4
+    assert list(theirs.document_indices) == list(ours.document_indices)
+    for i in range(4):
+        assert np.array_equal(theirs[i], ours[i])
+
+
+def test_dtmega_reads_what_megatron_writes(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    for document in DOCUMENTS:
+        flat = [t for s in document for t in s]
+        builder.add_document(torch.tensor(flat, dtype=torch.int64), [len(s) for s in document])
+    builder.finalize(str(tmp_path / "m.idx"))
+    ours = IndexedDataset(tmp_path / "m")
+    assert ours.dtype == np.int32 and ours.num_documents == 4
+    assert [list(ours[i]) for i in range(4)] == [[5, 6, 7], [1], [2, 3], [9] * 40]
+    write(tmp_path / "d", np.int32)
+    assert (tmp_path / "d.idx").read_bytes() == (tmp_path / "m.idx").read_bytes()
+    assert (tmp_path / "d.bin").read_bytes() == (tmp_path / "m.bin").read_bytes()
+
+
+def test_token_dtype_follows_megatron():
+    assert token_dtype(50000) == np.uint16 and token_dtype(65500) == np.int32 and token_dtype(128256) == np.int32
+
+
+def test_wrong_magic(tmp_path):
+    write(tmp_path / "d")
+    data = bytearray((tmp_path / "d.idx").read_bytes())
+    data[:3] = b"XXX"
+    (tmp_path / "d.idx").write_bytes(bytes(data))
+    with pytest.raises(DatasetFormatError, match="does not start with Megatron's index magic"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_wrong_version(tmp_path):
+    write(tmp_path / "d")
+    data = bytearray((tmp_path / "d.idx").read_bytes())
+    data[9:17] = struct.pack("<Q", 2)
+    (tmp_path / "d.idx").write_bytes(bytes(data))
+    with pytest.raises(DatasetFormatError, match="index version 2"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_truncated_bin_and_idx(tmp_path):
+    write(tmp_path / "d")
+    full = (tmp_path / "d.bin").read_bytes()
+    (tmp_path / "d.bin").write_bytes(full[:-10])
+    with pytest.raises(DatasetFormatError, match=r"d.bin is truncated: 82 bytes, but .* describes 92"):
+        IndexedDataset(tmp_path / "d")
+    (tmp_path / "d.bin").write_bytes(full)
+    (tmp_path / "d.idx").write_bytes((tmp_path / "d.idx").read_bytes()[:-8])
+    with pytest.raises(DatasetFormatError, match="d.idx is truncated"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_missing_files_name_the_prefix_convention(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pass the prefix without .bin/.idx"):
+        IndexedDataset(tmp_path / "nothing")
+
+
+def test_aborted_writer_leaves_nothing(tmp_path):
+    writer = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    writer.add_document([np.array([1, 2])])
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,125 @@
+"""`dtmega preprocess`: tokenizers, keys, workers, and every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtmega.data.indexed import IndexedDataset, read_stats
+from dtmega.data.preprocess import InputError, PreprocessConfig, preprocess
+from dtmega.data.tokenizers import ByteTokenizer, TokenizerSpec, build_tokenizer, train_bpe
+from tests.corpus import make_texts, write_jsonl
+
+
+def run(tmp_path: Path, source: Path, **options):
+    config = PreprocessConfig(input=source, output_prefix=str(tmp_path / "out" / "corpus"), progress=False, **options)
+    return preprocess(config)
+
+
+def test_byte_tokenizer_with_eod_and_two_keys(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", ["héllo", "", "ab"], extra={"title": "T"})
+    result = run(tmp_path, source, json_keys=["text", "title"], append_eod=True)
+    text = IndexedDataset(result.outputs["text"])
+    assert result.outputs["text"].endswith("corpus_text_document")
+    assert text.num_documents == 3 and len(text) == 2  # the empty document has no sequence
+    assert list(text[0]) == list("héllo".encode()) + [ByteTokenizer.eod]
+    assert list(IndexedDataset(result.outputs["title"])[2]) == [ord("T"), ByteTokenizer.eod]
+    stats = read_stats(result.outputs["text"])
+    assert stats["tokens"] == text.num_tokens and stats["max_token_id"] == ByteTokenizer.eod
+
+
+def test_workers_give_identical_files(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", make_texts(3000, seed=1))
+    one = run(tmp_path / "a", source, workers=1)
+    two = run(tmp_path / "b", source, workers=2)
+    for suffix in (".bin", ".idx"):
+        assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
+
+
+def test_trained_bpe_round_trips_and_is_saved_beside_the_output(tmp_path):
+    texts = make_texts(400, seed=2)
+    source = write_jsonl(tmp_path / "in.jsonl", texts)
+    result = run(tmp_path, source, train_tokenizer=300, append_eod=True)
+    assert Path(result.tokenizer_path) == tmp_path / "out" / "tokenizer.json"
+    tokenizer = build_tokenizer(TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=result.tokenizer_path))
+    assert tokenizer.vocab_size == 300
+    data = IndexedDataset(result.outputs["text"])
+    assert data.dtype == np.uint16
+    assert tokenizer.decode(list(data[5])) == texts[5] + "<|endoftext|>"
+
+
+def test_gpt2_bpe_from_vocab_and_merges(tmp_path):
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    trained = train_bpe(make_texts(200), 300, tmp_path / "tok.json")
+    trained.model.model.save(str(model_dir))
+    spec = TokenizerSpec("GPT2BPETokenizer", vocab_file=str(model_dir / "vocab.json"), merge_file=str(model_dir / "merges.txt"))
+    gpt2 = build_tokenizer(spec)
+    assert gpt2.encode("the lord said") == trained.encode("the lord said") and gpt2.eod == trained.eod
+    source = write_jsonl(tmp_path / "in.jsonl", ["the lord said"])
+    assert run(tmp_path, source, tokenizer=spec).tokens == len(gpt2.encode("the lord said"))
+
+
+def test_huggingface_tokenizer_needs_an_eod_token(tmp_path):
+    trained = train_bpe(make_texts(50), 280, tmp_path / "tok.json")
+    assert build_tokenizer(TokenizerSpec("HuggingFaceTokenizer", str(tmp_path / "tok.json"))).eod == trained.eod
+    with pytest.raises(ValueError, match="no end-of-document token.*--eod-token"):
+        build_tokenizer(TokenizerSpec("HuggingFaceTokenizer", str(tmp_path / "tok.json"), eod_token="<eos>"))
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer(TokenizerSpec("HuggingFaceTokenizer", str(tmp_path / "missing.json")))
+
+
+def test_malformed_line_names_the_line_and_skipping_counts(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "a"}\n{"text": "b"\n\n{"text": "c"}\n[1, 2]\n')
+    with pytest.raises(InputError, match=r"line 2: not valid JSON.*--skip-bad-lines"):
+        run(tmp_path, source)
+    assert not (tmp_path / "out" / "corpus_text_document.bin").exists()
+    result = run(tmp_path, source, skip_bad_lines=True)
+    assert result.skipped_lines == 2 and result.documents == 2
+
+
+def test_missing_key(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", ["a"], key="body")
+    with pytest.raises(InputError, match=r"line 1: no key 'text' \(the line has \['body', 'id'\]\)"):
+        run(tmp_path, source)
+
+
+def test_empty_input(tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n\n")
+    with pytest.raises(InputError, match="holds no documents"):
+        run(tmp_path, tmp_path / "in.jsonl")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        run(tmp_path, tmp_path / "missing.jsonl")
+
+
+def test_failed_run_never_half_overwrites_earlier_output(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", ["abc", "def"])
+    first = run(tmp_path, good)
+    before = {s: Path(first.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "new"}\n' * 500 + "not json\n")
+    with pytest.raises(InputError):
+        run(tmp_path, bad)
+    assert {s: Path(first.outputs["text"] + s).read_bytes() for s in (".bin", ".idx")} == before
+    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".tmp"]
+
+
+def test_cli_reports_errors_with_exit_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": 1}\n')
+    out = subprocess.run([sys.executable, "-m", "dtmega", "preprocess", "--input", str(source), "--output-prefix",
+                          str(tmp_path / "o"), "--tokenizer-type", "byte", "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "line 1: 'text' holds a number, not a string" in out.stderr
+    ok = subprocess.run([sys.executable, "-m", "dtmega", "preprocess", "--input", str(write_jsonl(tmp_path / "g.jsonl", ["x"])),
+                         "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "byte", "--no-progress"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "o_text_document.stats.json").read_text())["documents"] == 1

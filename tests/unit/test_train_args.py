@@ -1,0 +1,89 @@
+"""`dtmega train` arguments: Megatron flags, TOML, presets, notes and refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
+from dtmega.train.args import ArgumentError, parse_train_args
+from dtmega.train.setup import build_plan, model_config, padded_vocab, reject_unsupported, run_shape
+
+MEGATRON_LLAMA = (
+    "--tensor-model-parallel-size 2 --sequence-parallel --num-layers 4 --hidden-size 256 --ffn-hidden-size 768 "
+    "--num-attention-heads 8 --group-query-attention --num-query-groups 4 --seq-length 128 "
+    "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 --lr 3e-4 --min-lr 3e-5 "
+    "--train-iters 100 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 "
+    "--adam-beta1 0.9 --adam-beta2 0.95 --bf16 --init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--recompute-granularity selective --use-distributed-optimizer --data-path 0.5 a 0.5 b --split 969,30,1 "
+    "--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt --save out --save-interval 50 "
+    "--eval-interval 50 --eval-iters 5 --log-interval 10 --seed 7 --tensorboard-dir tb "
+    "--use-mcore-models --transformer-impl transformer_engine --use-flash-attn"
+).split()
+
+
+def test_a_megatron_launch_line_parses_with_notes():
+    args, notes = parse_train_args(MEGATRON_LLAMA)
+    assert args.tensor_model_parallel_size == 2 and args.sequence_parallel and args.num_query_groups == 4
+    assert args.data_path == ["0.5", "a", "0.5", "b"] and args.split_weights == (969.0, 30.0, 1.0)
+    assert len(notes) == 3 and any("--use-flash-attn accepted" in n for n in notes)
+    shape = run_shape(args, world=8)
+    assert (shape.dp, shape.accumulation) == (4, 2)
+    config = model_config(args, tokenizer_vocab=50257)
+    assert config.vocab_size == 50432 and config.n_kv_heads == 4 and not config.tie_embeddings
+    plan = build_plan(args, shape, config.n_layers)
+    kinds = [type(p) for p in plan]
+    assert kinds == [TensorParallel, SequenceParallel, Recompute, DataParallel]
+    assert plan.passes[-1].mode == "fsdp" and plan.passes[-1].param_dtype == "bfloat16"
+
+
+def test_toml_then_flags_override(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('model = "debug"\nlr = 1e-3\ntrain_iters = 5\nseq-length = 64\n')
+    args, _ = parse_train_args(["--config", str(config), "--lr", "2e-3"])
+    assert args.lr == 2e-3 and args.train_iters == 5 and args.seq_length == 64
+    assert args.num_layers == 4 and args.hidden_size == 64  # from the preset
+    config.write_text("learning_rate = 1\n")
+    with pytest.raises(ArgumentError, match=r"unknown option\(s\) \['learning_rate'\]"):
+        parse_train_args(["--config", str(config)])
+
+
+def test_planned_and_unsupported_features_are_refused():
+    with pytest.raises(ArgumentError, match="--num-experts: mixture of experts is not supported yet"):
+        parse_train_args(["--num-experts", "8"])
+    for flags, message in [
+        (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not supported yet"),
+        (["--context-parallel-size", "2"], "context parallelism is not supported yet"),
+        (["--attention-dropout", "0.1"], "dropout is not supported yet"),
+        (["--normalization", "LayerNorm"], "only RMSNorm"),
+        (["--bf16", "--fp16"], "exclusive"),
+        (["--reset-attention-mask"], "not supported yet"),
+    ]:
+        with pytest.raises(ArgumentError, match=message):
+            reject_unsupported(parse_train_args(flags)[0])
+
+
+def test_global_batch_must_divide():
+    args, _ = parse_train_args(["--micro-batch-size", "3", "--global-batch-size", "16"])
+    with pytest.raises(ArgumentError, match=r"--global-batch-size 16 is not divisible by --micro-batch-size 3 x "
+                                            r"data-parallel size 2 \(= 6\)"):
+        run_shape(args, world=2)
+
+
+def test_plan_mapping_errors_and_recompute_methods():
+    args, _ = parse_train_args(["--sequence-parallel"])
+    with pytest.raises(ArgumentError, match="--sequence-parallel needs --tensor-model-parallel-size > 1"):
+        build_plan(args, run_shape(args, 2), 4)
+    args, _ = parse_train_args(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"])
+    recompute = build_plan(args, run_shape(args, 1), 4).passes[0]
+    assert recompute.policy == "full" and recompute.first == 2
+    args, _ = parse_train_args(["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"])
+    with pytest.raises(ArgumentError, match="not supported yet"):
+        build_plan(args, run_shape(args, 1), 4)
+
+
+def test_vocab_padding_and_missing_model_shape():
+    args, _ = parse_train_args(["--tensor-model-parallel-size", "4"])
+    assert padded_vocab(8192, args) == 8192 and padded_vocab(8193, args) == 8704
+    with pytest.raises(ArgumentError, match="needs --num-layers, --hidden-size, --num-attention-heads"):
+        model_config(args, 100)

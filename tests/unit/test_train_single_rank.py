@@ -1,0 +1,89 @@
+"""`dtmega train` in a world of one: checkpoint atomicity, resume errors, data checks, CLI."""
+
+from __future__ import annotations
+
+import random
+import string
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtmega.data.preprocess import PreprocessConfig, preprocess
+from dtmega.train.args import ArgumentError
+from dtmega.train.checkpoint import CheckpointError, resolve_checkpoint
+from dtmega.train.restore import restore
+from dtmega.train.trainer import train
+from tests.corpus import write_jsonl
+from tests.train_helpers import prepare_corpus, tiny_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=200)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal
+        import torch.distributed.checkpoint as dcp
+        real_save = dcp.save
+        calls = []
+        def save_then_die(*args, **kwargs):
+            real_save(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)  # shards written, not yet renamed
+        dcp.save = save_then_die
+        from dtmega.train.trainer import train
+        train({tiny_args(corpus, train_iters=4, save=str(save), save_interval=1)!r})
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert resolve_checkpoint(save).name == "iter_0000001"
+    assert (save / ".iter_0000002.partial").exists() and not (save / "iter_0000002").exists()
+    pm, _, state = restore(save)
+    assert state["iteration"] == 1
+    resumed = train(tiny_args(corpus, train_iters=3, save=str(save), save_interval=1, load=str(save)))
+    assert len(resumed.losses) == 2 and resolve_checkpoint(save).name == "iter_0000003"
+    assert not (save / ".iter_0000002.partial").exists()
+
+
+def test_checkpoint_from_another_model_lists_the_differences(corpus, tmp_path):
+    train(tiny_args(corpus, train_iters=1, save=str(tmp_path / "ckpt")))
+    with pytest.raises(CheckpointError) as caught:
+        train(tiny_args(corpus, train_iters=2, hidden_size=128, ffn_hidden_size=256, load=str(tmp_path / "ckpt")))
+    message = str(caught.value)
+    assert "saved from a different model" in message
+    assert "output.weight: checkpoint (384, 64) vs model (384, 128)" in message
+    assert "layers.0.feed_forward.w1.weight: checkpoint (128, 64) vs model (256, 128)" in message
+
+
+def test_missing_or_empty_load_paths(corpus, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(tiny_args(corpus, load=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        train(tiny_args(corpus, load=str(tmp_path / "empty")))
+
+
+def test_data_tokenized_with_a_larger_vocabulary(tmp_path):
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8))) for _ in range(3000)]
+    source = write_jsonl(tmp_path / "in.jsonl", [" ".join(rng.sample(words, 40)) for _ in range(400)])
+    result = preprocess(PreprocessConfig(input=source, output_prefix=str(tmp_path / "bpe"), train_tokenizer=1000,
+                                         append_eod=True, progress=False))
+    with pytest.raises(ArgumentError, match=r"holds token id \d+, but the model's vocabulary has 384 ids"):
+        train(tiny_args(result.outputs["text"]))
+
+
+def test_train_cli_errors_exit_2_with_the_reason(corpus):
+    command = [sys.executable, "-m", "dtmega", "train", *tiny_args(corpus, global_batch_size=7)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--global-batch-size 7 is not divisible by --micro-batch-size 2" in done.stderr

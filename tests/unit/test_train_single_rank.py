@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import string
 import subprocess
@@ -87,3 +88,26 @@ def test_train_cli_errors_exit_2_with_the_reason(corpus):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--global-batch-size 7 is not divisible by --micro-batch-size 2" in done.stderr
+
+
+def test_metrics_reach_jsonl_and_tensorboard(corpus, tmp_path):
+    log, board = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    result = train(tiny_args(corpus, train_iters=6, log_interval=3, eval_interval=3, log_file=str(log),
+                             tensorboard_dir=str(board)))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [3, 6]
+    for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "memory_gib", "consumed_samples"):
+        assert all(isinstance(r[key], (int, float)) for r in steps), key
+    validation = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in validation] == [3, 6] and validation[-1]["val_loss"] == result.validation[-1][1]
+    assert list(board.glob("events.out.tfevents.*"))
+
+
+def test_console_script_and_module_entry_points():
+    script = Path(sys.executable).with_name("dtmega")
+    for command in ([str(script), "--help"], [sys.executable, "-m", "dtmega", "--help"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "preprocess" in done.stdout and "generate" in done.stdout
+    done = subprocess.run([str(script), "fly"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown command 'fly'" in done.stderr

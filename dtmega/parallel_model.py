@@ -20,6 +20,8 @@ from dtmega.passes import Layout, Plan, PlanError, Program
 from dtmega.passes.families import default_logits
 from dtmega.passes.render import layout_table
 from dtmega.passes.tp_styles import STYLES
+from dtmega.pipeline_runtime import PipelineParts, PipelineRuntime
+from dtmega.pipeline_table import schedule_table
 
 TP_STYLES = {name for name, style in STYLES.items() if style.owner == "tensor_parallel"}
 
@@ -36,12 +38,48 @@ class ParallelModel:
     def __init__(self, program: Program, plan: Plan):
         self.program = program
         self.plan = plan
+        parts = program.parts
+        self._module = parts[0] if len(parts) == 1 else PipelineParts(parts)
+        self._pipeline: PipelineRuntime | None = None
 
     # ---- what the plan produced ---------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The sharded nn.Module (parameters are DTensors where a pass sharded them)."""
-        return self.program.model
+        """The sharded nn.Module (parameters are DTensors where a pass sharded them). Under
+        pipeline parallelism: this rank's stages as one module with the unsharded FQNs."""
+        return self._module
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The modules this rank runs: the model, or its local pipeline stages."""
+        return list(self.program.parts)
+
+    @property
+    def pipelined(self) -> bool:
+        """True if the plan split the model into pipeline stages."""
+        return "pipeline" in self.program.state
+
+    def pipeline(self) -> PipelineRuntime:
+        """The stages and schedules of a pipeline-split model (built on first use)."""
+        if not self.pipelined:
+            raise RuntimeError("this plan has no PipelineSplit")
+        if self._pipeline is None:
+            sharded = any(e.style == "output" for e in self.layout.modules.values())
+            kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
+            self._pipeline = PipelineRuntime(
+                self.program, sharded, lambda positions: {} if positions is None else {kwarg: positions}
+            )
+        return self._pipeline
+
+    def pipeline_group(self):
+        """The pipeline-parallel process group (None without pipelining)."""
+        return self.pipeline().group if self.pipelined else None
+
+    def schedule_table(self, microbatches: int | None = None) -> Table:
+        """The schedule's actions per rank per tick (F forward, B backward, I input-grad,
+        W weight-grad; the number is the micro-batch, s the stage) as a rich table."""
+        microbatches = microbatches or self.program.state["pipeline"]["microbatches"]
+        return schedule_table(self.pipeline().schedule(microbatches), self.program.state["pipeline"])
 
     @property
     def layout(self) -> Layout:
@@ -105,6 +143,8 @@ class ParallelModel:
     # ---- compute ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `tokens` (vocab-sharded DTensor under tensor parallelism)."""
+        if self.pipelined:
+            raise RuntimeError("a pipeline-parallel model has no single-rank forward; use forward_backward or loss_sum")
         logits_fn = self.program.family.logits if self.program.family else default_logits
         return logits_fn(self.module, tokens, position_ids)
 
@@ -115,16 +155,37 @@ class ParallelModel:
             dist.all_reduce(value, group=self._dp_mesh().get_group())
         return value
 
+    def _reshard(self) -> None:
+        # FSDP2 leaves the root gathered after a no-grad forward (the root never reshards after
+        # forward), so `parameters()` would list the gathered tensors, not the sharded ones the
+        # optimizer holds, until the next backward.
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         if isinstance(self.module, FSDPModule):
             self.module.set_requires_gradient_sync(enabled)
 
-    def forward_backward(self, batch: TensorDict, microbatches: int = 1, loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward over this rank's `batch` (split into `microbatches` for gradient
-        accumulation); returns the detached global mean loss. Gradients are those of
-        `loss_scale` x the loss (fp16 loss scaling)."""
+    def forward_backward(
+        self, batch: TensorDict, microbatches: int | None = None, loss_scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward over this rank's `batch`, split into `microbatches` (gradient
+        accumulation; the pipeline's micro-batches under pipeline parallelism, by default the
+        plan's); returns the detached global mean loss. Gradients are those of `loss_scale` x
+        the loss (fp16 loss scaling)."""
         vocab = self.program.facts.vocab_size if self.program.family else None
-        fields = unpack_batch(batch, vocab).split(microbatches)
+        whole = unpack_batch(batch, vocab)
+        if self.pipelined:
+            microbatches = microbatches or self.program.state["pipeline"]["microbatches"]
+            tokens_with_loss = self._dp_all_reduce(whole.loss_mask.sum().to(torch.float32))
+            if float(tokens_with_loss) == 0:
+                raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
+            scale = self.dp_size * loss_scale / tokens_with_loss
+            loss_sum = self.pipeline().run(whole, microbatches, float(scale))
+            return self._dp_all_reduce(loss_sum) / tokens_with_loss
+        fields = whole.split(microbatches or 1)
         device = fields[0].tokens.device
         tokens_with_loss = self._dp_all_reduce(sum(f.loss_mask.sum() for f in fields).to(torch.float32))
         if float(tokens_with_loss) == 0:
@@ -148,9 +209,14 @@ class ParallelModel:
         of, without gradients: for validation, where batches are averaged by tokens."""
         vocab = self.program.facts.vocab_size if self.program.family else None
         fields = unpack_batch(batch, vocab)
+        if self.pipelined:
+            loss = self.pipeline().run(fields, self.program.state["pipeline"]["microbatches"], 1.0, train=False)
+            totals = self._dp_all_reduce(torch.stack([loss, fields.loss_mask.sum()]).float())
+            return totals[0], totals[1]
         logits = self.forward(fields.tokens, fields.position_ids)
         with cross_entropy_context(logits):
             losses = per_token_cross_entropy(logits, fields.labels)
+        self._reshard()
         totals = torch.stack([(losses * fields.loss_mask).sum(), fields.loss_mask.sum()]).float()
         totals = self._dp_all_reduce(totals)
         return totals[0], totals[1]
@@ -186,15 +252,16 @@ class ParallelModel:
         unsharded model's `init_weights(seed)` whatever the plan."""
         if device is None:
             device = self.mesh.device_type if self.mesh is not None else "cpu"
-        if any(p.is_meta for p in self.module.parameters()) or any(b.is_meta for b in self.module.buffers()):
-            self.module.to_empty(device=device)
-        init = getattr(self.module, "init_weights", None)
-        if init is None:
-            raise NotImplementedError(
-                f"{type(self.module).__name__} has no init_weights(seed, buffer_device); load weights "
-                "with load_full_state_dict instead"
-            )
-        init(seed=seed, buffer_device=torch.device(device))
+        for part in self.parts:
+            if any(p.is_meta for p in part.parameters()) or any(b.is_meta for b in part.buffers()):
+                part.to_empty(device=device)
+            init = getattr(part, "init_weights", None)
+            if init is None:
+                raise NotImplementedError(
+                    f"{type(part).__name__} has no init_weights(seed, buffer_device); load weights "
+                    "with load_full_state_dict instead"
+                )
+            init(seed=seed, buffer_device=torch.device(device))
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads unsharded weights (every rank passes the same dict); each rank keeps its shard."""

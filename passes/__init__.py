@@ -7,6 +7,7 @@ from dtmega.passes.errors import PlanError
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, register_family
 from dtmega.passes.layout import Layout, LayoutChange, ModuleLayout, ParamLayout
 from dtmega.passes.manager import PassManager
+from dtmega.passes.pipeline import PipelineSplit
 from dtmega.passes.plan import Plan
 from dtmega.passes.program import Program
 from dtmega.passes.recompute import Recompute
@@ -16,6 +17,6 @@ from dtmega.passes.tensor_parallel import TensorParallel
 
 __all__ = [
     "DataParallel", "Layout", "LayoutChange", "ModelFacts", "ModelFamily", "ModuleLayout",
-    "ParamLayout", "Pass", "PassManager", "Plan", "PlanError", "Program", "Recompute", "Rule",
+    "ParamLayout", "Pass", "PassManager", "PipelineSplit", "Plan", "PlanError", "Program", "Recompute", "Rule",
     "SequenceParallel", "TensorParallel", "family_of", "register_family",
 ]

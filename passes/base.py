@@ -26,6 +26,9 @@ class Pass:
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
     after: ClassVar[tuple[str, ...]] = ()
+    # Structural passes change which modules exist on this rank (pipeline splitting); they apply
+    # before every other pass, whatever their place in the plan, so the others shard the pieces.
+    structural: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -97,16 +97,20 @@ class DataParallel(Pass):
             reduce_dtype=_dtype(self.reduce_dtype),
         )
         wrapped = [fqn for fqn, entry in program.layout.modules.items() if entry.wrap and fqn]
+        reshard = self.reshard_after_forward
+        if reshard is None and "pipeline" in program.state:
+            reshard = False  # micro-batches would all-gather every block again and again
+        kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
         for fqn in [*wrapped, ""]:
-            module = program.module(fqn)
-            if self.mode == "ddp":
-                replicate(module, mesh=mesh, mp_policy=policy)
-            else:
-                kwargs = {} if self.reshard_after_forward is None else {"reshard_after_forward": self.reshard_after_forward}
-                fully_shard(module, mesh=mesh, mp_policy=policy, **kwargs)
+            for module in program.modules_at(fqn):
+                if self.mode == "ddp":
+                    replicate(module, mesh=mesh, mp_policy=policy)
+                else:
+                    fully_shard(module, mesh=mesh, mp_policy=policy, **kwargs)
         backend = dist.get_backend(mesh.get_group(0))
         if "nccl" not in backend:
             # gloo has no AVG/PREMUL_SUM reduction: reduce with SUM, then divide explicitly.
-            for module in program.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+            for part in program.parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)

@@ -101,6 +101,14 @@ class Layout:
 
     mesh: dict[str, int]
     modules: dict[str, ModuleLayout] = field(default_factory=dict)
+    # Pipeline: which pp rank holds each stage (the stage's index in this list), and the axis.
+    stage_ranks: list[int] | None = None
+    stage_axis: str = "pp"
+
+    def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
+        if entry.stage is None or self.stage_ranks is None:
+            return True
+        return self.stage_ranks[entry.stage] == (coordinate or {}).get(self.stage_axis, 0)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -154,12 +162,16 @@ class Layout:
     def local_param_count(self, coordinate: dict[str, int] | None = None) -> int:
         """Parameters held by the rank at `coordinate` (default: all zeros), tied weights once."""
         return sum(
-            math.prod(p.local_shape(self.mesh, coordinate)) for _, p in self.params() if p.tied_to is None
+            math.prod(p.local_shape(self.mesh, coordinate))
+            for entry in self.modules.values() if self._on_rank(entry, coordinate)
+            for p in entry.params.values() if p.tied_to is None
         )
 
     def local_bytes(self, coordinate: dict[str, int] | None = None) -> int:
         """Parameter bytes held by the rank at `coordinate`."""
-        return sum(entry.local_bytes(self.mesh, coordinate) for entry in self.modules.values())
+        return sum(
+            entry.local_bytes(self.mesh, coordinate) for entry in self.modules.values() if self._on_rank(entry, coordinate)
+        )
 
     def global_param_count(self) -> int:
         """Parameters of the unsharded model, tied weights once."""
@@ -176,7 +188,10 @@ class Layout:
                 for key in [k for k, v in param.items() if v in (None, {})]:
                     del param[key]
             modules[fqn] = data
-        return {"mesh": dict(self.mesh), "modules": modules}
+        data = {"mesh": dict(self.mesh), "modules": modules}
+        if self.stage_ranks is not None:
+            data["pipeline"] = {"axis": self.stage_axis, "stage_ranks": list(self.stage_ranks)}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Layout":
@@ -197,7 +212,9 @@ class Layout:
                 for name, p in entry.get("params", {}).items()
             }
             modules[fqn] = ModuleLayout(**{**entry, "params": params})
-        return cls(mesh=dict(data["mesh"]), modules=modules)
+        pipeline = data.get("pipeline", {})
+        return cls(mesh=dict(data["mesh"]), modules=modules, stage_ranks=pipeline.get("stage_ranks"),
+                   stage_axis=pipeline.get("axis", "pp"))
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """TOML text of the layout; also written to `path` if given."""

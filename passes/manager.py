@@ -15,7 +15,7 @@ from dtmega.passes.program import Program
 
 # What an axis is for, to make "nobody uses this axis" errors actionable.
 _AXIS_OWNERS = {
-    "pp": "a pipeline pass (planned)",
+    "pp": "PipelineSplit(axis='pp')",
     "dp_replicate": "DataParallel(mode='hsdp') or DataParallel(mode='ddp')",
     "dp_shard": "DataParallel(mode='fsdp')",
     "cp": "a context-parallel pass (planned)",
@@ -94,7 +94,7 @@ class PassManager:
         """Materializes the annotated layout, pass by pass in plan order."""
         if program.mesh is None:
             raise RuntimeError("apply needs a DeviceMesh; this program was built for annotation only")
-        for current in self.passes:
+        for current in sorted(self.passes, key=lambda p: not p.structural):  # stable: plan order otherwise
             current.apply(program)
             program.note(f"applied {current.name}")
 

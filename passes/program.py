@@ -43,6 +43,12 @@ class Program:
     family: ModelFamily | None = None
     log: list[str] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
+    # What this rank materializes: the model, or its pipeline stages (same FQNs, pruned).
+    parts: list[nn.Module] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = [self.model]
 
     @classmethod
     def build(cls, model: nn.Module, mesh: DeviceMesh | dict[str, int]) -> "Program":
@@ -101,9 +107,23 @@ class Program:
             raise RuntimeError("this program was built for annotation only; it has no DeviceMesh")
         return submesh(self.mesh, *axes, flatten=flatten)
 
+    def modules_at(self, fqn: str) -> list[nn.Module]:
+        """The module at `fqn` in every local part that has it (the root is in every part; a
+        block only in its pipeline stage's part; nothing when another rank holds it)."""
+        found = []
+        for part in self.parts:
+            try:
+                found.append(part.get_submodule(fqn) if fqn else part)
+            except AttributeError:
+                continue
+        return found
+
     def module(self, fqn: str) -> nn.Module:
-        """The module at `fqn` in the (possibly already transformed) model."""
-        return self.model.get_submodule(fqn) if fqn else self.model
+        """The one module at `fqn` (in the unsplit model, or the single part that has it)."""
+        found = self.modules_at(fqn)
+        if len(found) != 1:
+            raise KeyError(f"{fqn!r} is in {len(found)} local parts, not exactly one")
+        return found[0]
 
     def note(self, message: str) -> None:
         """Records what a pass did, for `ParallelModel.log`."""

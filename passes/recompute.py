@@ -68,4 +68,5 @@ class Recompute(Pass):
     def apply(self, program: Program) -> None:
         for fqn, entry in program.layout.modules.items():
             if entry.recompute in ("full", "selective"):
-                checkpoint(program.module(fqn))
+                for module in program.modules_at(fqn):
+                    checkpoint(module)

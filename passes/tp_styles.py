@@ -209,8 +209,9 @@ def apply_styles(program, owner: str, axis: str) -> int:
     for fqn, entry in program.layout.modules.items():
         if entry.style is None or STYLES[entry.style].owner != owner:
             continue
-        parallelize_module(program.module(fqn), mesh, STYLES[entry.style].build(entry, axis), src_data_rank=None)
-        count += 1
+        for module in program.modules_at(fqn):
+            parallelize_module(module, mesh, STYLES[entry.style].build(entry, axis), src_data_rank=None)
+            count += 1
     return count
 
 
@@ -221,7 +222,8 @@ def retie_parameters(program) -> None:
             continue
         owner_module, _, owner_name = param.tied_to.rpartition(".")
         module_fqn, _, name = full_name.rpartition(".")
-        setattr(program.module(module_fqn), name, getattr(program.module(owner_module), owner_name))
+        for part in program.parts:
+            setattr(part.get_submodule(module_fqn), name, getattr(part.get_submodule(owner_module), owner_name))
 
 
 __all__ = ["STYLES", "Style", "style", "apply_styles", "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -85,7 +86,8 @@ def compare_training(
     seed: int = 0,
     lr: float = 1e-3,
     eps: float = 1e-5,
-    microbatches: int = 1,
+    microbatches: int | None = None,
+    evaluate_between_steps: bool = False,
 ) -> Comparison:
     """Trains both models `steps` AdamW steps on the same fresh random batches and returns the
     worst relative errors: loss at every step, every gradient at the first step (where both
@@ -113,16 +115,34 @@ def compare_training(
         for name, param in parallel.named_parameters():
             assert param.grad is not None, f"{name} got no gradient"
             grad = full(param.grad)
-            if step == 0:
+            if step == 0 or evaluate_between_steps:
                 error = relative_error(grad, ref_params[name].grad)
                 if error > result.grad:
                     result.grad, result.worst_grad_name = error, name
-        assert set(dict(parallel.named_parameters())) == set(ref_params), "parameter names differ"
+        assert_covers_parameters(parallel, set(ref_params))
         ref_opt.step()
         par_opt.step()
         for name, param in parallel.named_parameters():
             result.param = max(result.param, relative_error(full(param), ref_params[name]))
+        if evaluate_between_steps:  # as a trainer validates: after the update, before the next step
+            par_opt.zero_grad()
+            parallel.eval()
+            loss_sum, tokens = parallel.loss_sum(parallel.shard_batch(batch))
+            parallel.train()
+            with torch.no_grad():
+                result.loss = max(result.loss, relative_error(loss_sum / tokens, reference_loss(reference, batch)))
     return result
+
+
+def assert_covers_parameters(parallel: dtmega.ParallelModel, expected: set[str]) -> None:
+    """Every parameter of the unsharded model lives on some rank (pipeline stages split them)."""
+    local = set(dict(parallel.named_parameters()))
+    assert local <= expected, f"unknown parameters {sorted(local - expected)[:5]}"
+    if parallel.pipelined:
+        everyone: list = [None] * dist.get_world_size(parallel.pipeline_group())
+        dist.all_gather_object(everyone, sorted(local), group=parallel.pipeline_group())
+        local = set().union(*map(set, everyone))
+    assert local == expected, f"parameters missing from every rank: {sorted(expected - local)[:5]}"
 
 
 def assert_close_to_reference(result: Comparison) -> None:

@@ -116,19 +116,25 @@ class Llama(nn.Module):
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
         """Logits [B, S, vocab] for token ids [B, S]. position_ids [B, S] default to 0..S-1 (after
-        the cached positions when decoding with a `cache`)."""
+        the cached positions when decoding with a `cache`).
+
+        A pipeline stage is this model with some pieces set to None: without an embedding it
+        takes hidden states [B, S, D]; without norm and output it returns hidden states.
+        """
         seq = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if position_ids is None:
             rope = self.rope_cache[start:start + seq].unsqueeze(0)
         else:
             rope = self.rope_cache[position_ids]
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for name, block in self.layers.items():
             h = block(h, rope) if cache is None else block(h, rope, cache=cache.layer(name))
         if cache is not None:
             cache.advance(seq)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def init_spec(self, name: str, param: nn.Parameter) -> InitSpec:
         """Megatron's scheme: N(0, std) everywhere, output projections of each block scaled by

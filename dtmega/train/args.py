@@ -55,7 +55,17 @@ class TrainArgs:
     hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")
     # ---- parallelism ----
     tensor_model_parallel_size: int = _opt(1, "TP size")
-    pipeline_model_parallel_size: int = _opt(1, "PP size (only 1 is supported yet)")
+    pipeline_model_parallel_size: int = _opt(1, "PP size")
+    pipeline_schedule: str | None = _opt(None, "pipeline schedule (default: 1f1b, or interleaved_1f1b with virtual stages)",
+                                         ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                          "zbv", "dualpipev"))
+    num_layers_per_virtual_pipeline_stage: int | None = _opt(None, "blocks per virtual stage (interleaved schedules)")
+    decoder_first_pipeline_num_layers: int | None = _opt(None, "blocks on the first pipeline stage (uneven split)")
+    decoder_last_pipeline_num_layers: int | None = _opt(None, "blocks on the last pipeline stage (uneven split)")
+    account_for_embedding_in_pipeline_split: bool = _opt(False, "the embedding takes one block's slot in the split")
+    account_for_loss_in_pipeline_split: bool = _opt(False, "the output layer and loss take one block's slot")
+    pipeline_model_parallel_layout: str | None = _opt(None, "explicit split, e.g. 'Et*3|t*4|t*4|t*3L'")
+    microbatches: int | None = _opt(None, "micro-batches per step (default: global batch / micro batch / DP)")
     context_parallel_size: int = _opt(1, "CP size (only 1 is supported yet)")
     sequence_parallel: bool = _opt(False, "sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
@@ -67,7 +77,7 @@ class TrainArgs:
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
     # ---- batch and optimizer ----
-    micro_batch_size: int = _opt(1, "sequences per rank per micro-batch")
+    micro_batch_size: int | None = _opt(None, "sequences per rank per micro-batch (default 1, or from --microbatches)")
     global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
     train_iters: int | None = _opt(None, "optimizer steps")
     lr: float | None = _opt(None, "peak learning rate")
@@ -139,9 +149,6 @@ _NOTED_WITH_VALUE = {"transformer_impl", "distributed_backend"}
 
 # Megatron flags for features other issues build: rejected with where they are planned.
 PLANNED_FLAGS = {
-    "num_layers_per_virtual_pipeline_stage": "pipeline parallelism",
-    "decoder_first_pipeline_num_layers": "pipeline parallelism",
-    "decoder_last_pipeline_num_layers": "pipeline parallelism",
     "cp_comm_type": "context parallelism",
     "num_experts": "mixture of experts",
     "moe_router_topk": "mixture of experts",

@@ -31,6 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+# Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr"), so that ranks holding
+# different parameters (pipeline stages) never overwrite each other's groups.
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
 LATEST = "latest"
 STATE = "state.json"
 TOKENIZER = "tokenizer.json"
@@ -71,7 +75,7 @@ def save_checkpoint(
     _barrier()
     shards: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
     dcp.save(shards, checkpoint_id=str(partial))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
@@ -119,13 +123,17 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor]) -> None:
+def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeline_group=None) -> None:
     saved = {
         key.removeprefix("model."): tuple(meta.size)
         for key, meta in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
     current = {key: tuple(value.shape) for key, value in model_state.items()}
+    if pipeline_group is not None:  # each stage holds part of the model: compare the union
+        everyone: list = [None] * dist.get_world_size(pipeline_group)
+        dist.all_gather_object(everyone, current, group=pipeline_group)
+        current = {key: shape for stage in everyone for key, shape in stage.items()}
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     different = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
@@ -144,20 +152,22 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor]) -> Non
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+    restore_rng: bool = True, pipeline_group=None,
 ) -> dict[str, Any]:
     """Loads `path` into `model` (and `optimizer`), resharding to the current plan; returns the
-    saved state. Shapes are checked first, so a mismatch fails on every rank before any I/O."""
+    saved state. Shapes are checked first, so a mismatch fails on every rank before any I/O.
+    Under pipeline parallelism `model` holds this rank's stages; pass the `pipeline_group`."""
     checkpoint = resolve_checkpoint(path)
     state = read_state(checkpoint)
     shards: dict[str, Any] = {"model": get_model_state_dict(model)}
-    _check_shapes(checkpoint, shards["model"])
+    _check_shapes(checkpoint, shards["model"], pipeline_group)
     if optimizer is not None:
-        shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
     dcp.load(shards, checkpoint_id=str(checkpoint))
     set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=True))
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, shards["optimizer"])
+        set_optimizer_state_dict(model, optimizer, shards["optimizer"], options=OPTIMIZER_OPTIONS)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = checkpoint / f"rng_rank{rank:05d}.pt"

@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -35,10 +36,11 @@ def _group_key(grad: torch.Tensor):
 
 
 @torch.no_grad()
-def global_grad_norm(parameters) -> float:
+def global_grad_norm(parameters, pipeline_group=None) -> float:
     """The L2 norm of all gradients as if unsharded (identical on every rank).
 
-    One reduction per (mesh, placements) group of gradients, not one per gradient.
+    One reduction per (mesh, placements) group of gradients, not one per gradient; with
+    pipeline stages, the squared norms of the stages are summed over `pipeline_group`.
     """
     groups = defaultdict(list)
     for param in parameters:
@@ -51,6 +53,10 @@ def global_grad_norm(parameters) -> float:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total += float(norm) ** 2
+    if pipeline_group is not None:
+        summed = torch.tensor(total, dtype=torch.float64)
+        dist.all_reduce(summed, group=pipeline_group)
+        total = float(summed)
     return math.sqrt(total)
 
 

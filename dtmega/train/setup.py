@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dtmega.data.tokenizers import TokenizerSpec
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
-from dtmega.passes import DataParallel, Pass, Plan, Recompute, SequenceParallel, TensorParallel
+from dtmega.passes import DataParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel, TensorParallel
 from dtmega.train.args import ArgumentError, TrainArgs
 
 
@@ -21,6 +21,7 @@ class RunShape:
 
     world: int
     tp: int
+    pp: int
     dp: int
     dp_replicate: int
     dp_shard: int
@@ -31,8 +32,6 @@ class RunShape:
 
 def reject_unsupported(args: TrainArgs) -> None:
     """Flags whose feature does not exist (yet), with what to do instead."""
-    if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError("--pipeline-model-parallel-size > 1: pipeline parallelism is not supported yet (planned)")
     if args.context_parallel_size != 1:
         raise ArgumentError("--context-parallel-size > 1: context parallelism is not supported yet (planned)")
     if args.attention_dropout or args.hidden_dropout:
@@ -52,18 +51,33 @@ def reject_unsupported(args: TrainArgs) -> None:
 
 def run_shape(args: TrainArgs, world: int) -> RunShape:
     """Data-parallel size, batch split and accumulation; ArgumentError for sizes that do not fit."""
-    tp = args.tensor_model_parallel_size
-    if tp < 1 or world % tp:
-        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}")
-    dp = world // tp
-    micro = args.micro_batch_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ArgumentError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide the world size {world}"
+        )
+    dp = world // (tp * pp)
+    micro, counted = args.micro_batch_size, args.microbatches
+    global_batch = args.global_batch_size
+    if counted is not None and micro is None:
+        if global_batch is None or global_batch % (dp * counted):
+            raise ArgumentError(
+                f"--microbatches {counted} needs --global-batch-size divisible by {counted} x data-parallel size {dp}"
+            )
+        micro = global_batch // (dp * counted)
+    micro = micro or 1
     if micro < 1:
         raise ArgumentError(f"--micro-batch-size must be >= 1, got {micro}")
-    global_batch = args.global_batch_size or micro * dp
+    global_batch = global_batch or micro * dp * (counted or 1)
     if global_batch % (micro * dp):
         raise ArgumentError(
             f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro} x data-parallel "
             f"size {dp} (= {micro * dp}). Fix: use a multiple of {micro * dp}, e.g. {max(1, global_batch // (micro * dp)) * micro * dp}"
+        )
+    if counted is not None and counted != global_batch // (micro * dp):
+        raise ArgumentError(
+            f"--microbatches {counted} disagrees with --global-batch-size {global_batch} / (--micro-batch-size {micro} "
+            f"x data-parallel size {dp}) = {global_batch // (micro * dp)}; give one of them"
         )
     mode = data_parallel_mode(args)
     shard = dp
@@ -78,7 +92,7 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
                 "(and smaller than it)"
             )
         replicate = dp // shard
-    return RunShape(world, tp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
+    return RunShape(world, tp, pp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
 
 
 def data_parallel_mode(args: TrainArgs) -> str:
@@ -142,9 +156,42 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
             )
     elif args.recompute_method or args.recompute_num_layers:
         raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+    if shape.pp > 1:
+        passes.append(pipeline_pass(args, shape, n_layers))
+    elif any(getattr(args, f) for f in PIPELINE_ONLY):
+        raise ArgumentError(f"pipeline options ({', '.join(_flags(PIPELINE_ONLY, args))}) need --pipeline-model-parallel-size > 1")
     precision = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     passes.append(DataParallel(data_parallel_mode(args), param_dtype=precision, reduce_dtype="float32"))
     return Plan(passes)
+
+
+PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout")
+
+
+def _flags(names, args) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n)]
+
+
+def pipeline_pass(args: TrainArgs, shape: RunShape, n_layers: int) -> PipelineSplit:
+    """PipelineSplit from Megatron's pipeline flags; micro-batches are the accumulation steps."""
+    virtual = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per = args.num_layers_per_virtual_pipeline_stage
+        if n_layers % (per * shape.pp):
+            raise ArgumentError(
+                f"--num-layers {n_layers} is not divisible by --num-layers-per-virtual-pipeline-stage {per} x "
+                f"--pipeline-model-parallel-size {shape.pp}"
+            )
+        virtual = n_layers // (per * shape.pp)
+    schedule = args.pipeline_schedule or ("interleaved_1f1b" if virtual > 1 else "1f1b")
+    return PipelineSplit(
+        schedule=schedule, microbatches=shape.accumulation, virtual_stages=virtual,
+        first_stage_layers=args.decoder_first_pipeline_num_layers, last_stage_layers=args.decoder_last_pipeline_num_layers,
+        count_embedding=args.account_for_embedding_in_pipeline_split, count_loss=args.account_for_loss_in_pipeline_split,
+        layout=args.pipeline_model_parallel_layout,
+    )
 
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:

@@ -119,7 +119,7 @@ class Trainer:
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
         self.mesh = dtmega.make_mesh(
-            dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, tp=self.shape.tp,
+            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, tp=self.shape.tp,
             device_type=self.device_type,
         )
         with torch.device("meta"):
@@ -141,7 +141,7 @@ class Trainer:
                                      min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
         self.iteration, consumed = 0, 0
         if args.load:
-            state = load_checkpoint(args.load, self.pm.module, self.optimizer)
+            state = load_checkpoint(args.load, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
             self.iteration, consumed = state["iteration"], state["consumed_samples"]
             if self.scaler and state.get("loss_scaler"):
                 self.scaler.load_state_dict(state["loss_scaler"])
@@ -158,12 +158,12 @@ class Trainer:
     # ---- one step -------------------------------------------------------------------------
     def step(self, batch) -> tuple[float, float, bool]:
         """Forward, backward, clip, update; returns (loss, grad norm, skipped)."""
-        params = list(self.pm.parameters())
         scale = self.scaler.scale if self.scaler else 1.0
         loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+        params = list(self.pm.parameters())  # after backward: the sharded parameters the optimizer holds
         if scale != 1.0:
             scale_grads(params, 1.0 / scale)
-        grad_norm = global_grad_norm(params)
+        grad_norm = global_grad_norm(params, self.pm.pipeline_group())
         overflow = not math.isfinite(grad_norm)
         if self.scaler:
             self.scaler.update(overflow)
@@ -204,7 +204,7 @@ class Trainer:
         result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
         self.console.print(self.pm.report())
         self.console.print(
-            f"{self.config.num_params():,} parameters | world {shape.world} = TP {shape.tp} x DP {shape.dp} | "
+            f"{self.config.num_params():,} parameters | world {shape.world} = PP {shape.pp} x DP {shape.dp} x TP {shape.tp} | "
             f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
             f"{shape.accumulation} | {args.seq_length} tokens/sample | MFU peak: {self.peak_source}"
         )

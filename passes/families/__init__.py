@@ -56,6 +56,7 @@ class ModelFamily:
     sp_rules: tuple[Rule, ...]
     logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] = default_logits
     attention_core: str | None = None  # FQN of the attention-core module, relative to a block
+    position_kwarg: str = "position_ids"  # how a pipeline stage's forward takes position ids
 
 
 _FAMILIES: list[ModelFamily] = []

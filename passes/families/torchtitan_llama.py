@@ -66,5 +66,6 @@ TORCHTITAN_LLAMA3 = register_family(
         ),
         logits=_logits,
         attention_core="attention.inner_attention",
+        position_kwarg="positions",
     )
 )

@@ -26,7 +26,7 @@ def pytest_configure(config):
         )
     if not dist.is_initialized():
         # A short timeout turns a desynchronized collective into a failure, not a stalled CI.
-        dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     if dist.get_world_size() != WORLD:
         pytest.exit(f"the distributed suite expects {WORLD} ranks, got {dist.get_world_size()}", returncode=2)
 

@@ -7,6 +7,7 @@ error of the unsharded model on the same seed and data (tests/helpers.py states 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dtmega
 from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
@@ -53,6 +54,30 @@ def test_gradient_accumulation_matches_unsharded():
     pm = dtmega.parallelize(meta_copy(), mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
     pm.init_weights(seed=2)
     assert_close_to_reference(compare_training(reference, pm, steps=3, batch_size=8, microbatches=2))
+
+
+@pytest.mark.parametrize("sizes, passes", [
+    (dict(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")]),
+    (dict(dp_replicate=2), [DataParallel("ddp")]),
+], ids=["tp2_fsdp2", "ddp2"])
+def test_validation_between_steps_leaves_gradients_exact(sizes, passes):
+    """Regression: FSDP2 leaves the root gathered after a no-grad forward, so parameters() listed
+    gathered tensors without gradients and the trainer's gradient norm missed them."""
+    reference, meta_copy = build_dtmega_llama(debug_llama(), seed=5)
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm.init_weights(seed=5)
+    assert_close_to_reference(compare_training(reference, pm, steps=3, microbatches=2, batch_size=8,
+                                               evaluate_between_steps=True))
+    fresh = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    fresh.init_weights(seed=5)
+    optimizer = torch.optim.AdamW(fresh.parameters())
+    batch = fresh.shard_batch(dtmega.synthetic_batch(8, 16, 256))
+    fresh.forward_backward(batch)
+    optimizer.step()
+    fresh.loss_sum(batch)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pm = fresh
+    assert {id(p) for p in pm.parameters()} == held, "after validation, parameters() lists other tensors"
 
 
 def test_tied_embeddings_under_tp_and_fsdp():

@@ -101,3 +101,44 @@ def test_mixed_precision_trains(corpus, precision):
                              lr=5e-3, **precision))
     assert all(math.isfinite(x) for x in result.losses)
     assert result.losses[-1] < result.losses[0] - 0.5
+
+
+@pytest.fixture(scope="module")
+def pipelined(corpus, shared_dir):
+    """PP2 x TP2 (interleaved, uneven-free), 12 steps, checkpoint at the end."""
+    save = shared_dir / "pp2_tp2"
+    result = train(tiny_args(corpus, num_layers=4, pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                             sequence_parallel=True, untie_embeddings_and_output_weights=True, train_iters=12,
+                             global_batch_size=8, micro_batch_size=2, num_layers_per_virtual_pipeline_stage=1,
+                             save=save))
+    return result, save
+
+
+def test_pipelined_training_matches_data_parallel_training(corpus, pipelined):
+    reference = train(tiny_args(corpus, num_layers=4, untie_embeddings_and_output_weights=True, train_iters=12,
+                                global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
+                                use_distributed_optimizer=True))
+    result, _ = pipelined
+    assert len(result.losses) == 12
+    errors = [relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(result.losses, reference.losses)]
+    assert max(errors) < 1e-5, errors
+    assert abs(result.validation[-1][1] - reference.validation[-1][1]) / reference.validation[-1][1] < 1e-5
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=1), dict(tp=4)], ids=["pp2tp2_to_pp1", "pp2tp2_to_tp4"])
+def test_pipelined_checkpoint_loads_without_pipelining(pipelined, sizes):
+    _, save = pipelined
+    reference, _, state = restore(save, mesh=mesh(tp=1))
+    assert state["iteration"] == 12 and len(reference.full_state_dict()) == 4 * 9 + 3
+    pm, _, _ = restore(save, tp=sizes["tp"], mesh=mesh(**sizes))
+    expected = reference.full_state_dict()
+    for name, value in pm.full_state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_resume_a_pipelined_run_under_another_pipeline(corpus, pipelined, shared_dir):
+    result, save = pipelined
+    resumed = train(tiny_args(corpus, num_layers=4, pipeline_model_parallel_size=4,
+                              untie_embeddings_and_output_weights=True, train_iters=14, global_batch_size=8,
+                              microbatches=4, pipeline_schedule="gpipe", load=save))
+    assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)

@@ -52,7 +52,6 @@ def test_planned_and_unsupported_features_are_refused():
     with pytest.raises(ArgumentError, match="--num-experts: mixture of experts is not supported yet"):
         parse_train_args(["--num-experts", "8"])
     for flags, message in [
-        (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not supported yet"),
         (["--context-parallel-size", "2"], "context parallelism is not supported yet"),
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
         (["--normalization", "LayerNorm"], "only RMSNorm"),
@@ -87,3 +86,30 @@ def test_vocab_padding_and_missing_model_shape():
     assert padded_vocab(8192, args) == 8192 and padded_vocab(8193, args) == 8704
     with pytest.raises(ArgumentError, match="needs --num-layers, --hidden-size, --num-attention-heads"):
         model_config(args, 100)
+
+
+def test_pipeline_flags_build_the_pipeline_pass():
+    from dtmega.passes import PipelineSplit
+
+    args, _ = parse_train_args([
+        "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+        "2", "--global-batch-size", "16", "--micro-batch-size", "2", "--decoder-first-pipeline-num-layers", "1",
+        "--decoder-last-pipeline-num-layers", "3",
+    ])
+    shape = run_shape(args, world=8)
+    assert (shape.pp, shape.tp, shape.dp, shape.accumulation) == (2, 2, 2, 4)
+    split = [p for p in build_plan(args, shape, n_layers=8) if isinstance(p, PipelineSplit)][0]
+    assert (split.schedule, split.virtual_stages, split.microbatches) == ("interleaved_1f1b", 2, 4)
+    assert (split.first_stage_layers, split.last_stage_layers) == (1, 3)
+
+
+def test_microbatches_flag_sets_or_checks_the_micro_batch():
+    args, _ = parse_train_args(["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--microbatches", "4"])
+    shape = run_shape(args, world=4)
+    assert (shape.micro_batch, shape.accumulation) == (2, 4)
+    args, _ = parse_train_args(["--global-batch-size", "16", "--micro-batch-size", "2", "--microbatches", "4"])
+    with pytest.raises(ArgumentError, match=r"--microbatches 4 disagrees .* = 2"):
+        run_shape(args, world=4)
+    args, _ = parse_train_args(["--pipeline-schedule", "zbv"])
+    with pytest.raises(ArgumentError, match="need --pipeline-model-parallel-size > 1"):
+        build_plan(args, run_shape(args, 1), 4)

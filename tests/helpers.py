@@ -152,16 +152,24 @@ def assert_close_to_reference(result: Comparison) -> None:
     assert result.param <= PARAM_RTOL, f"parameter relative error {result.param:.2e} > {PARAM_RTOL}"
 
 
+_MESHES: dict = {}
+
+
 def mesh(**sizes: int):
     """A mesh of the given axis sizes (others 1) for the distributed suite: the 4-rank world is
-    split into as many independent copies as fit, so 1- and 2-rank plans run on every rank."""
+    split into as many independent copies as fit, so 1- and 2-rank plans run on every rank.
+    Meshes are reused across tests: every new one adds process groups (and gloo threads) that
+    slow down every later collective."""
     from dtmega.mesh import split_world
 
     sizes.setdefault("dp_shard", 1)
-    ranks = 1
-    for size in sizes.values():
-        ranks *= size
-    return split_world(WORLD // ranks, device_type="cpu", **sizes)
+    key = tuple(sorted(sizes.items()))
+    if key not in _MESHES:
+        ranks = 1
+        for size in sizes.values():
+            ranks *= size
+        _MESHES[key] = split_world(WORLD // ranks, device_type="cpu", **sizes)
+    return _MESHES[key]
 
 
 def clone_module(module: nn.Module) -> nn.Module:

@@ -14,9 +14,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from dtmega.batch import unpack_batch
-from dtmega.kernels import cross_entropy_context, per_token_cross_entropy
+from dtmega.batch import Batch, unpack_batch
+from dtmega.kernels import cross_entropy_context, per_token_cross_entropy, token_indices
 from dtmega.passes import Layout, Plan, PlanError, Program
+from dtmega.passes.context_parallel import shard_sequence
 from dtmega.passes.families import default_logits
 from dtmega.passes.render import layout_table
 from dtmega.passes.tp_styles import STYLES
@@ -150,10 +151,44 @@ class ParallelModel:
 
     __call__ = forward
 
-    def _dp_all_reduce(self, value: torch.Tensor) -> torch.Tensor:
-        if self.dp_size > 1:
+    @property
+    def cp_size(self) -> int:
+        """Number of context-parallel ranks a sequence is split over."""
+        return self.program.state["context_parallel"]["size"] if "context_parallel" in self.program.state else 1
+
+    @property
+    def _averaged_over(self) -> int:
+        # DataParallel averages gradients over dp (x cp) ranks; every rank scales its loss by it.
+        return self.dp_size * self.cp_size
+
+    def _data_all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """Sums over every rank that holds different tokens of the global batch (dp x cp)."""
+        if self.cp_size > 1:
+            mesh = self.program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
+            dist.all_reduce(value, group=mesh.get_group())
+        elif self.dp_size > 1:
             dist.all_reduce(value, group=self._dp_mesh().get_group())
         return value
+
+    def _shard_sequence(self, fields: Batch) -> Batch:
+        """This context-parallel rank's tokens of every sequence (positions stay global)."""
+        if self.cp_size == 1:
+            return fields
+        info = self.program.state["context_parallel"]
+        seq = fields.tokens.shape[1]
+        parts = 2 * self.cp_size if info["zigzag"] else self.cp_size
+        if seq % parts:
+            how = f"2 x cp = {parts} (zigzag load balancing)" if info["zigzag"] else f"cp = {parts}"
+            raise ValueError(
+                f"sequence length {seq} is not divisible by {how}. Fix: use a sequence length that is a multiple "
+                f"of {parts}" + (", or ContextParallel(load_balance=None)" if info["zigzag"] else "")
+            )
+        rank = self.program.submesh(info["axis"]).get_local_rank()
+        index = token_indices(seq, self.cp_size, rank, info["zigzag"], device=fields.tokens.device)
+        positions = fields.position_ids
+        if positions is None:
+            positions = torch.arange(seq, device=fields.tokens.device).expand(fields.tokens.shape)
+        return Batch(*(shard_sequence(t, index) for t in (fields.tokens, fields.labels, fields.loss_mask, positions)))
 
     def _reshard(self) -> None:
         # FSDP2 leaves the root gathered after a no-grad forward (the root never reshards after
@@ -176,22 +211,17 @@ class ParallelModel:
         plan's); returns the detached global mean loss. Gradients are those of `loss_scale` x
         the loss (fp16 loss scaling)."""
         vocab = self.program.facts.vocab_size if self.program.family else None
-        whole = unpack_batch(batch, vocab)
-        if self.pipelined:
-            microbatches = microbatches or self.program.state["pipeline"]["microbatches"]
-            tokens_with_loss = self._dp_all_reduce(whole.loss_mask.sum().to(torch.float32))
-            if float(tokens_with_loss) == 0:
-                raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
-            scale = self.dp_size * loss_scale / tokens_with_loss
-            loss_sum = self.pipeline().run(whole, microbatches, float(scale))
-            return self._dp_all_reduce(loss_sum) / tokens_with_loss
-        fields = whole.split(microbatches or 1)
-        device = fields[0].tokens.device
-        tokens_with_loss = self._dp_all_reduce(sum(f.loss_mask.sum() for f in fields).to(torch.float32))
+        whole = self._shard_sequence(unpack_batch(batch, vocab))
+        tokens_with_loss = self._data_all_reduce(whole.loss_mask.sum().to(torch.float32))
         if float(tokens_with_loss) == 0:
             raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
-        # DataParallel averages gradients over its ranks, so each rank scales by dp_size.
-        scale = self.dp_size * loss_scale / tokens_with_loss
+        scale = self._averaged_over * loss_scale / tokens_with_loss
+        if self.pipelined:
+            microbatches = microbatches or self.program.state["pipeline"]["microbatches"]
+            loss_sum = self.pipeline().run(whole, microbatches, float(scale))
+            return self._data_all_reduce(loss_sum) / tokens_with_loss
+        fields = whole.split(microbatches or 1)
+        device = fields[0].tokens.device
         loss_sum = torch.zeros((), device=device)
         for index, chunk in enumerate(fields):
             self._set_gradient_sync(index == len(fields) - 1)
@@ -201,24 +231,24 @@ class ParallelModel:
                 chunk_sum = (losses * chunk.loss_mask).sum()
                 (chunk_sum * scale).backward()
             loss_sum += chunk_sum.detach()
-        return self._dp_all_reduce(loss_sum) / tokens_with_loss
+        return self._data_all_reduce(loss_sum) / tokens_with_loss
 
     @torch.no_grad()
     def loss_sum(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of loss tokens) of the *global* batch this rank's `batch` is part
         of, without gradients: for validation, where batches are averaged by tokens."""
         vocab = self.program.facts.vocab_size if self.program.family else None
-        fields = unpack_batch(batch, vocab)
+        fields = self._shard_sequence(unpack_batch(batch, vocab))
         if self.pipelined:
             loss = self.pipeline().run(fields, self.program.state["pipeline"]["microbatches"], 1.0, train=False)
-            totals = self._dp_all_reduce(torch.stack([loss, fields.loss_mask.sum()]).float())
+            totals = self._data_all_reduce(torch.stack([loss, fields.loss_mask.sum()]).float())
             return totals[0], totals[1]
         logits = self.forward(fields.tokens, fields.position_ids)
         with cross_entropy_context(logits):
             losses = per_token_cross_entropy(logits, fields.labels)
         self._reshard()
         totals = torch.stack([(losses * fields.loss_mask).sum(), fields.loss_mask.sum()]).float()
-        totals = self._dp_all_reduce(totals)
+        totals = self._data_all_reduce(totals)
         return totals[0], totals[1]
 
     def compile(self, **kwargs) -> "ParallelModel":

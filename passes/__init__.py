@@ -2,6 +2,7 @@
 families and their rule sets, and the standard passes."""
 
 from dtmega.passes.base import Pass
+from dtmega.passes.context_parallel import ContextParallel
 from dtmega.passes.data_parallel import DataParallel
 from dtmega.passes.errors import PlanError
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, register_family
@@ -16,7 +17,7 @@ from dtmega.passes.sequence_parallel import SequenceParallel
 from dtmega.passes.tensor_parallel import TensorParallel
 
 __all__ = [
-    "DataParallel", "Layout", "LayoutChange", "ModelFacts", "ModelFamily", "ModuleLayout",
+    "ContextParallel", "DataParallel", "Layout", "LayoutChange", "ModelFacts", "ModelFamily", "ModuleLayout",
     "ParamLayout", "Pass", "PassManager", "PipelineSplit", "Plan", "PlanError", "Program", "Recompute", "Rule",
     "SequenceParallel", "TensorParallel", "family_of", "register_family",
 ]

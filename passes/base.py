@@ -43,6 +43,9 @@ class Pass:
         """Materializes the decisions `annotate` wrote (shards, wraps, swaps modules)."""
         raise NotImplementedError
 
+    def finalize(self, program: Program) -> None:
+        """Checks that need the whole annotated plan (runs after every `annotate`; pure)."""
+
     # ---- declarations -------------------------------------------------------------------------
     def mesh_axes(self) -> tuple[str, ...]:
         """Mesh axes this pass parallelizes over (each axis of size > 1 needs an owner)."""

@@ -69,25 +69,36 @@ class DataParallel(Pass):
                 "DataParallel(mode='hsdp') needs dp_replicate > 1 in the mesh; with dp_replicate=1 "
                 "it is plain FSDP. Fix: use mode='fsdp' or make_mesh(dp_replicate=...)"
             )
+        context = program.axis_size("cp") if "context_parallel" in program.state else 1
+        if context > 1 and self.mode == "hsdp":
+            raise PlanError("DataParallel(mode='hsdp') with context parallelism is not supported yet; use 'fsdp' or 'ddp'")
         blocks = program.blocks(self.blocks)
         for fqn, param in program.layout.params():
             if self.mode in ("fsdp", "hsdp"):
                 if self.mode == "hsdp":
                     param.placements["dp_replicate"] = REPLICATE
                 param.placements["dp_shard"] = shard(0)
+                if context > 1:  # FSDP shards over dp_shard x cp, one flattened group
+                    param.placements["cp"] = shard(0)
         precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
         for fqn in [*blocks, ""]:
             entry = program.layout[fqn]
             entry.wrap = self.mode
             entry.precision = precision
-        program.state["data_parallel"] = {"mode": self.mode, "size": replicas * shards}
-        program.note(f"DataParallel({self.mode}) over {replicas}x{shards} ranks, {len(blocks)} blocks + root")
+        program.state["data_parallel"] = {"mode": self.mode, "size": replicas * shards, "cp": context}
+        program.note(f"DataParallel({self.mode}) over {replicas}x{shards}" + (f"x{context} (cp)" if context > 1 else "")
+                     + f" ranks, {len(blocks)} blocks + root")
 
     def _mesh(self, program: Program):
+        # Context-parallel ranks hold the same parameters and see different tokens: gradients
+        # are averaged over them too, as Megatron's dp_cp group does.
+        context = program.state["data_parallel"]["cp"] > 1
         if self.mode == "fsdp":
-            return program.submesh("dp_shard")
+            return program.submesh("dp_shard", "cp", flatten="dp_shard_cp") if context else program.submesh("dp_shard")
         if self.mode == "hsdp":
             return program.submesh("dp_replicate", "dp_shard")
+        if context:
+            return program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
         return program.submesh("dp_replicate", "dp_shard", flatten="dp")
 
     def apply(self, program: Program) -> None:

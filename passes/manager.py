@@ -18,7 +18,7 @@ _AXIS_OWNERS = {
     "pp": "PipelineSplit(axis='pp')",
     "dp_replicate": "DataParallel(mode='hsdp') or DataParallel(mode='ddp')",
     "dp_shard": "DataParallel(mode='fsdp')",
-    "cp": "a context-parallel pass (planned)",
+    "cp": "ContextParallel(axis='cp')",
     "tp": "TensorParallel(axis='tp')",
 }
 
@@ -89,6 +89,8 @@ class PassManager:
         for current in self.passes:
             current.annotate(program)
             program.note(f"annotated {current.name}")
+        for current in self.passes:
+            current.finalize(program)
 
     def apply(self, program: Program) -> None:
         """Materializes the annotated layout, pass by pass in plan order."""

@@ -66,7 +66,9 @@ class TrainArgs:
     account_for_loss_in_pipeline_split: bool = _opt(False, "the output layer and loss take one block's slot")
     pipeline_model_parallel_layout: str | None = _opt(None, "explicit split, e.g. 'Et*3|t*4|t*4|t*3L'")
     microbatches: int | None = _opt(None, "micro-batches per step (default: global batch / micro batch / DP)")
-    context_parallel_size: int = _opt(1, "CP size (only 1 is supported yet)")
+    context_parallel_size: int = _opt(1, "CP size: every sequence split over this many ranks")
+    cp_comm_type: str = _opt("p2p", "context-parallel attention: p2p (ring), all_gather, a2a (Ulysses)",
+                             ("p2p", "all_gather", "a2a"))
     sequence_parallel: bool = _opt(False, "sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
@@ -149,7 +151,6 @@ _NOTED_WITH_VALUE = {"transformer_impl", "distributed_backend"}
 
 # Megatron flags for features other issues build: rejected with where they are planned.
 PLANNED_FLAGS = {
-    "cp_comm_type": "context parallelism",
     "num_experts": "mixture of experts",
     "moe_router_topk": "mixture of experts",
     "expert_model_parallel_size": "expert parallelism",

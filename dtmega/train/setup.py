@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dtmega.data.tokenizers import TokenizerSpec
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
-from dtmega.passes import DataParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel, TensorParallel
+from dtmega.passes import ContextParallel, DataParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel, TensorParallel
 from dtmega.train.args import ArgumentError, TrainArgs
 
 
@@ -22,6 +22,7 @@ class RunShape:
     world: int
     tp: int
     pp: int
+    cp: int
     dp: int
     dp_replicate: int
     dp_shard: int
@@ -32,8 +33,6 @@ class RunShape:
 
 def reject_unsupported(args: TrainArgs) -> None:
     """Flags whose feature does not exist (yet), with what to do instead."""
-    if args.context_parallel_size != 1:
-        raise ArgumentError("--context-parallel-size > 1: context parallelism is not supported yet (planned)")
     if args.attention_dropout or args.hidden_dropout:
         raise ArgumentError(
             "--attention-dropout/--hidden-dropout > 0: dropout is not supported yet (Llama pretraining uses "
@@ -51,12 +50,13 @@ def reject_unsupported(args: TrainArgs) -> None:
 
 def run_shape(args: TrainArgs, world: int) -> RunShape:
     """Data-parallel size, batch split and accumulation; ArgumentError for sizes that do not fit."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world % (tp * pp):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1 or world % (tp * pp * cp):
         raise ArgumentError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not divide the world size {world}"
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} "
+            f"does not divide the world size {world}"
         )
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     micro, counted = args.micro_batch_size, args.microbatches
     global_batch = args.global_batch_size
     if counted is not None and micro is None:
@@ -84,6 +84,8 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
     replicate = 1
     if mode == "ddp":
         replicate, shard = dp, 1
+    elif mode == "hsdp" and cp > 1:
+        raise ArgumentError("--data-parallel hsdp with --context-parallel-size > 1 is not supported yet; use fsdp or ddp")
     elif mode == "hsdp":
         shard = args.data_parallel_shard_size or 0
         if shard < 1 or dp % shard or shard == dp:
@@ -92,7 +94,7 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
                 "(and smaller than it)"
             )
         replicate = dp // shard
-    return RunShape(world, tp, pp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
+    return RunShape(world, tp, pp, cp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
 
 
 def data_parallel_mode(args: TrainArgs) -> str:
@@ -141,6 +143,9 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
         if shape.tp == 1:
             raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         passes.append(SequenceParallel())
+    if shape.cp > 1:
+        method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[args.cp_comm_type]
+        passes.append(ContextParallel(method=method))
     if args.recompute_granularity == "selective":
         passes.append(Recompute("selective"))
     elif args.recompute_granularity == "full":

@@ -119,8 +119,8 @@ class Trainer:
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
         self.mesh = dtmega.make_mesh(
-            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, tp=self.shape.tp,
-            device_type=self.device_type,
+            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, cp=self.shape.cp,
+            tp=self.shape.tp, device_type=self.device_type,
         )
         with torch.device("meta"):
             model = Llama(self.config)
@@ -204,7 +204,8 @@ class Trainer:
         result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
         self.console.print(self.pm.report())
         self.console.print(
-            f"{self.config.num_params():,} parameters | world {shape.world} = PP {shape.pp} x DP {shape.dp} x TP {shape.tp} | "
+            f"{self.config.num_params():,} parameters | world {shape.world} = PP {shape.pp} x DP {shape.dp} x CP {shape.cp} "
+            f"x TP {shape.tp} | "
             f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
             f"{shape.accumulation} | {args.seq_length} tokens/sample | MFU peak: {self.peak_source}"
         )

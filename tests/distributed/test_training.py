@@ -142,3 +142,15 @@ def test_resume_a_pipelined_run_under_another_pipeline(corpus, pipelined, shared
                               untie_embeddings_and_output_weights=True, train_iters=14, global_batch_size=8,
                               microbatches=4, pipeline_schedule="gpipe", load=save))
     assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_context_parallel_training_matches_data_parallel_training(corpus, comm):
+    common = dict(num_layers=2, train_iters=6, global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
+                  use_distributed_optimizer=True, eval_interval=6)
+    reference = train(tiny_args(corpus, **common))
+    result = train(tiny_args(corpus, context_parallel_size=2, cp_comm_type=comm, sequence_parallel=True,
+                             **{**common, "micro_batch_size": 4}))
+    errors = [relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(result.losses, reference.losses)]
+    assert max(errors) < 1e-5, errors
+    assert abs(result.validation[-1][1] - reference.validation[-1][1]) / reference.validation[-1][1] < 1e-5

@@ -52,7 +52,6 @@ def test_planned_and_unsupported_features_are_refused():
     with pytest.raises(ArgumentError, match="--num-experts: mixture of experts is not supported yet"):
         parse_train_args(["--num-experts", "8"])
     for flags, message in [
-        (["--context-parallel-size", "2"], "context parallelism is not supported yet"),
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
         (["--normalization", "LayerNorm"], "only RMSNorm"),
         (["--bf16", "--fp16"], "exclusive"),
@@ -101,6 +100,18 @@ def test_pipeline_flags_build_the_pipeline_pass():
     split = [p for p in build_plan(args, shape, n_layers=8) if isinstance(p, PipelineSplit)][0]
     assert (split.schedule, split.virtual_stages, split.microbatches) == ("interleaved_1f1b", 2, 4)
     assert (split.first_stage_layers, split.last_stage_layers) == (1, 3)
+
+
+def test_context_parallel_flags():
+    from dtmega.passes import ContextParallel
+
+    args, _ = parse_train_args(["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2"])
+    shape = run_shape(args, world=8)
+    assert (shape.cp, shape.dp) == (2, 2)
+    cp = [p for p in build_plan(args, shape, 4) if isinstance(p, ContextParallel)][0]
+    assert cp.method == "a2a" and cp.load_balance == "zigzag"
+    with pytest.raises(ArgumentError, match="does not divide the world size 6"):
+        run_shape(parse_train_args(["--context-parallel-size", "4"])[0], world=6)
 
 
 def test_microbatches_flag_sets_or_checks_the_micro_batch():

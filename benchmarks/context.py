@@ -57,6 +57,8 @@ def saved_activation_bytes(run) -> int:
     seen, total = set(), [0]
 
     def pack(tensor):
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "elem"):  # an in-flight collective's result
+            tensor = tensor.elem
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:

@@ -1,7 +1,8 @@
 """dtmega.kernels: the leaf layer. Hot-path ops with a plain-PyTorch reference; imports nothing
 of dtmega's."""
 
-from dtmega.kernels.context_attention import CommStats, context_parallel_attention, token_indices
+from dtmega.kernels.context_attention import context_parallel_attention
+from dtmega.kernels.context_shards import CommStats, token_indices
 from dtmega.kernels.cross_entropy import cross_entropy_context, is_vocab_sharded, per_token_cross_entropy
 
 __all__ = [

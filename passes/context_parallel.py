@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dtmega.kernels.context_attention import METHODS, CommStats, context_parallel_attention
+from dtmega.kernels.context_attention import METHODS, context_parallel_attention
+from dtmega.kernels.context_shards import CommStats
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
@@ -108,6 +109,7 @@ class ContextParallel(Pass):
                 raise PlanError(f"ContextParallel replaces 'sdpa'/'eager' attention, not {implementation!r}")
             for block in facts.blocks:
                 program.layout[block].kernel = f"context_parallel({self.method})"
+        program.layout[""].inputs[self.axis] = "S(1)"  # tokens (and every activation) sharded on the sequence
         program.state["context_parallel"] = {
             "axis": self.axis, "size": size, "method": self.method, "zigzag": self.load_balance == "zigzag",
             "targets": targets,

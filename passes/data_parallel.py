@@ -70,15 +70,13 @@ class DataParallel(Pass):
                 "it is plain FSDP. Fix: use mode='fsdp' or make_mesh(dp_replicate=...)"
             )
         context = program.axis_size("cp") if "context_parallel" in program.state else 1
-        if context > 1 and self.mode == "hsdp":
-            raise PlanError("DataParallel(mode='hsdp') with context parallelism is not supported yet; use 'fsdp' or 'ddp'")
         blocks = program.blocks(self.blocks)
         for fqn, param in program.layout.params():
             if self.mode in ("fsdp", "hsdp"):
                 if self.mode == "hsdp":
                     param.placements["dp_replicate"] = REPLICATE
                 param.placements["dp_shard"] = shard(0)
-                if context > 1:  # FSDP shards over dp_shard x cp, one flattened group
+                if context > 1:  # FSDP shards over dp_shard x cp, one flattened axis
                     param.placements["cp"] = shard(0)
         precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
         for fqn in [*blocks, ""]:
@@ -95,6 +93,10 @@ class DataParallel(Pass):
         context = program.state["data_parallel"]["cp"] > 1
         if self.mode == "fsdp":
             return program.submesh("dp_shard", "cp", flatten="dp_shard_cp") if context else program.submesh("dp_shard")
+        if self.mode == "hsdp" and context:  # replicate x (dp_shard x cp)
+            replicas = program.mesh_shape["dp_replicate"]
+            flat = program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
+            return flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "dp_shard_cp"))
         if self.mode == "hsdp":
             return program.submesh("dp_replicate", "dp_shard")
         if context:

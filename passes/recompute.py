@@ -29,6 +29,8 @@ class Recompute(Pass):
     blocks: str | None = None
 
     provides = ("recompute",)
+    # Selective recompute wraps the attention core, which context parallelism replaces.
+    after = ("context_parallel@*",)
 
     def annotate(self, program: Program) -> None:
         if self.policy not in ("full", "selective"):

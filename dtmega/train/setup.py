@@ -84,8 +84,6 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
     replicate = 1
     if mode == "ddp":
         replicate, shard = dp, 1
-    elif mode == "hsdp" and cp > 1:
-        raise ArgumentError("--data-parallel hsdp with --context-parallel-size > 1 is not supported yet; use fsdp or ddp")
     elif mode == "hsdp":
         shard = args.data_parallel_shard_size or 0
         if shard < 1 or dp % shard or shard == dp:

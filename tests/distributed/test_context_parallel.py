@@ -1,5 +1,5 @@
 """Context parallelism in whole models against the unsharded model: CP2, CP4, CP2 x TP2,
-CP2 x DP2 and CP2 x PP2 for every method; torchtitan and Hugging Face Llamas; loss, every
+CP2 x DP2, CP2 x PP2, CP2 x HSDP and CP2 with selective recompute for every method; torchtitan and Hugging Face Llamas; loss, every
 gradient, 5 AdamW steps (tolerances in tests/helpers.py: 1e-5 relative, fp32)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 import dtmega
-from dtmega.passes import ContextParallel, DataParallel, PipelineSplit, SequenceParallel, TensorParallel
+from dtmega.passes import (
+    ContextParallel, DataParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
+)
 from tests.helpers import (
     assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, mesh,
 )
@@ -22,6 +24,9 @@ PLANS = {
     "cp2_dp2": (dict(cp=2, dp_shard=2), lambda m: [ContextParallel(method=m), DataParallel("fsdp")]),
     "cp2_pp2": (dict(cp=2, pp=2), lambda m: [ContextParallel(method=m), PipelineSplit(microbatches=2),
                                             DataParallel("ddp")]),
+    "cp2_hsdp2": (dict(cp=2, dp_replicate=2), lambda m: [ContextParallel(method=m), DataParallel("hsdp")]),
+    "cp2_selective_recompute": (dict(cp=2), lambda m: [ContextParallel(method=m), Recompute("selective"),
+                                                        DataParallel("ddp")]),
 }
 
 
@@ -33,6 +38,14 @@ def test_dtmega_llama_with_context_parallelism(name, method):
     pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes(method)))
     pm.init_weights(seed=21)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
+
+
+def test_compiled_ring_attention_model_matches_unsharded():
+    reference, meta_copy = build_dtmega_llama(debug_llama(), seed=25)
+    pm = dtmega.parallelize(meta_copy(), mesh(cp=2), [ContextParallel(), DataParallel("fsdp")])
+    pm.init_weights(seed=25)
+    pm.compile(backend="aot_eager")
+    assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))
 
 
 @pytest.mark.parametrize("method", METHODS)

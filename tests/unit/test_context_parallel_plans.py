@@ -7,7 +7,7 @@ import torch
 
 import dtmega
 from dtmega.models import Llama, LlamaConfig
-from dtmega.passes import ContextParallel, DataParallel, Plan, PlanError, TensorParallel
+from dtmega.passes import ContextParallel, DataParallel, Plan, PlanError, Recompute, TensorParallel
 
 
 def shape(**sizes):
@@ -43,8 +43,14 @@ def test_unknown_options_and_unsupported_combinations():
         dtmega.check_plan(llama(), shape(cp=2), Plan([ContextParallel(method="ulysses"), DataParallel()]))
     with pytest.raises(PlanError, match="load_balance='striped'"):
         dtmega.check_plan(llama(), shape(cp=2), Plan([ContextParallel(load_balance="striped"), DataParallel()]))
-    with pytest.raises(PlanError, match=r"mode='hsdp'\) with context parallelism is not supported yet"):
-        dtmega.check_plan(llama(), shape(cp=2, dp_replicate=2, dp_shard=2), Plan([ContextParallel(), DataParallel("hsdp")]))
+    with pytest.raises(PlanError, match="Recompute must run after ContextParallel"):
+        dtmega.check_plan(llama(), shape(cp=2), Plan([Recompute("selective"), ContextParallel(), DataParallel()]))
+
+
+def test_fsdp_and_hsdp_shard_over_cp_too():
+    lay = dtmega.check_plan(llama(), shape(cp=2, dp_replicate=2, dp_shard=2), Plan([ContextParallel(), DataParallel("hsdp")]))
+    placements = lay["layers.0.attention.wq"].params["weight"].placements
+    assert placements["cp"] == placements["dp_shard"] != placements["dp_replicate"]
 
 
 def test_a_model_whose_attention_cannot_be_found():

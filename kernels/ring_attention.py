@@ -1,0 +1,94 @@
+"""Ring attention: key/value blocks travel around the context-parallel ring by point-to-point
+transfers (the next hop overlapped with the current block's compute) and partial results merge
+by their log-sum-exps; the backward sends the blocks around again, each carrying its
+accumulating dK/dV, which arrive home after a full turn.
+
+Blocks no query may see under the causal mask are skipped: with zigzag shards every block
+but a rank's own is half visible and needs no mask, so each rank does the same, halved work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dtmega.kernels.attention_blocks import attend, attend_backward, visible_block
+from dtmega.kernels.context_shards import CommStats, token_indices
+
+
+class _Transfer:
+    """A tensor on its way to the next rank of the ring, and a like one arriving from the previous."""
+
+    def __init__(self, tensor: torch.Tensor, group, send_to: int, recv_from: int, stats: CommStats | None):
+        self.incoming = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, send_to, group), dist.P2POp(dist.irecv, self.incoming, recv_from, group)]
+        if stats is not None:
+            stats.add(tensor)
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        """The tensor the previous rank sent."""
+        for request in self.requests:
+            request.wait()
+        return self.incoming
+
+
+class _Ring:
+    """This rank's place in the ring and the token positions every rank holds."""
+
+    def __init__(self, group, seq_len: int, zigzag: bool, causal: bool, device):
+        self.group, self.causal = group, causal
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.previous = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self.positions = [token_indices(seq_len, self.world, r, zigzag, device) for r in range(self.world)]
+
+    def send(self, tensor: torch.Tensor, stats: CommStats | None) -> _Transfer:
+        """Starts passing `tensor` one hop along the ring."""
+        return _Transfer(tensor, self.group, self.next, self.previous, stats)
+
+    def blocks(self, kv: torch.Tensor, stats: CommStats | None):
+        """Every rank's key/value block with its visible part, as it arrives: the hop of the
+        next block is under way while the caller computes on the current one."""
+        for step in range(self.world):
+            transfer = self.send(kv, stats) if step < self.world - 1 else None
+            owner = (self.rank - step) % self.world
+            yield kv, visible_block(self.positions[self.rank], self.positions[owner], self.causal)
+            if transfer is not None:
+                kv = transfer.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """q [B, H, S/cp, D], k/v [B, Hkv, S/cp, D] (this rank's shard) -> its shard of the output."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seq_len, group, zigzag, causal, scale, stats, fused):
+        ring = _Ring(group, seq_len, zigzag, causal, q.device)
+        out, lse = attend(q, ring.blocks(torch.stack([k, v]).contiguous(), stats), scale, fused)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (seq_len, group, zigzag, causal, scale, stats, fused)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        seq_len, group, zigzag, causal, scale, stats, fused = ctx.meta
+        ring = _Ring(group, seq_len, zigzag, causal, q.device)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv_transfer = None
+        for block, visible in ring.blocks(kv, stats):
+            grads = attend_backward(grad_out, q, out, lse, block, visible, scale, fused, dq) if visible else None
+            # The block's gradient travels with it (arriving while this step computed); after
+            # `world` hops it is home.
+            if dkv_transfer is not None:
+                dkv = dkv_transfer.wait()
+            if grads is not None:
+                dk, dv, col = grads
+                dkv[0, :, :, :col] += dk
+                dkv[1, :, :, :col] += dv
+            dkv_transfer = ring.send(dkv, stats)
+        dkv = dkv_transfer.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None

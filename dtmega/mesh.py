@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtmega.passes.errors import PlanError
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Megatron's order, slowest to fastest: ep borrows data-parallel ranks (the batch is split over
+# dp_replicate x dp_shard x ep), cp and tp ranks are nearest to each other.
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 def default_device_type() -> str:
@@ -69,6 +71,7 @@ def resolve_mesh_sizes(world_size: int, **sizes: int) -> dict[str, int]:
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise PlanError(f"only one mesh axis may be -1, got {fill}")
+    _check_expert_ranks(world_size, sizes)
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if world_size % known:
@@ -88,6 +91,21 @@ def resolve_mesh_sizes(world_size: int, **sizes: int) -> dict[str, int]:
     return sizes
 
 
+def _check_expert_ranks(world_size: int, sizes: dict[str, int]) -> None:
+    """ep borrows data-parallel ranks: it must divide the ranks left after pp, cp and tp."""
+    ep = sizes.get("ep", 1)
+    if ep == 1:
+        return
+    model_ranks = math.prod(sizes.get(axis, 1) for axis in ("pp", "cp", "tp"))
+    data_ranks = world_size // model_ranks if world_size % model_ranks == 0 else 0
+    if data_ranks % ep:
+        raise PlanError(
+            f"ep={ep}: expert parallelism borrows its ranks from data parallelism, but the world of {world_size} "
+            f"ranks has {data_ranks} data-parallel ranks (world / (pp x cp x tp) = {world_size} / {model_ranks}), "
+            f"which {ep} does not divide. Fix: use an ep that divides {data_ranks}, or launch more ranks"
+        )
+
+
 def make_mesh(
     *,
     pp: int = 1,
@@ -98,18 +116,18 @@ def make_mesh(
     ep: int = 1,
     device_type: str | None = None,
 ) -> DeviceMesh:
-    """The job's named mesh, axes ordered pp, dp_replicate, dp_shard, cp, tp (every axis is
+    """The job's named mesh, axes ordered pp, dp_replicate, dp_shard, ep, cp, tp (every axis is
     present, size 1 when unused). `-1` fills the rest of the world.
-    Works under torchrun, in a one-rank process, and inside `simulate_world`.
+
+    `ep` (expert parallelism) borrows data-parallel ranks: the batch is split over
+    dp_replicate x dp_shard x ep ranks, dense weights are data-parallel over all of them, and
+    the experts are sharded over ep. Works under torchrun, in a one-rank process, and inside
+    `simulate_world`.
     """
-    if ep != 1:
-        raise PlanError(
-            f"ep={ep}: expert parallelism is not supported yet (planned: the MoE issue). Fix: use ep=1"
-        )
     device_type = device_type or default_device_type()
     init_distributed(device_type)
     sizes = resolve_mesh_sizes(
-        dist.get_world_size(), pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp
+        dist.get_world_size(), pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp
     )
     return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=AXES)
 
@@ -120,6 +138,7 @@ def split_world(
     pp: int = 1,
     dp_replicate: int = 1,
     dp_shard: int = -1,
+    ep: int = 1,
     cp: int = 1,
     tp: int = 1,
     device_type: str | None = None,
@@ -132,7 +151,9 @@ def split_world(
     world = dist.get_world_size()
     if replicas < 1 or world % replicas:
         raise PlanError(f"cannot split a world of {world} ranks into {replicas} equal meshes")
-    sizes = resolve_mesh_sizes(world // replicas, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+    sizes = resolve_mesh_sizes(
+        world // replicas, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp
+    )
     root = init_device_mesh(device_type, (replicas, *sizes.values()), mesh_dim_names=("replica", *AXES))
     return root[AXES]
 

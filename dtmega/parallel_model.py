@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dtmega.batch import Batch, unpack_batch
 from dtmega.kernels import cross_entropy_context, per_token_cross_entropy, token_indices
+from dtmega.moe_runtime import MoERuntime
 from dtmega.passes import Layout, Plan, PlanError, Program
 from dtmega.passes.context_parallel import shard_sequence
 from dtmega.passes.families import default_logits
@@ -42,6 +43,7 @@ class ParallelModel:
         parts = program.parts
         self._module = parts[0] if len(parts) == 1 else PipelineParts(parts)
         self._pipeline: PipelineRuntime | None = None
+        self.moe = MoERuntime(program)
 
     # ---- what the plan produced ---------------------------------------------------------------
     @property
@@ -120,11 +122,11 @@ class ParallelModel:
     # ---- data-parallel coordinates ------------------------------------------------------------
     @property
     def dp_size(self) -> int:
-        """Number of data-parallel ranks (dp_replicate x dp_shard)."""
-        return self.layout.mesh.get("dp_replicate", 1) * self.layout.mesh.get("dp_shard", 1)
+        """Number of data-parallel ranks (dp_replicate x dp_shard x ep): the batch splits over them."""
+        return self.program.data_size(context=False)
 
     def _dp_mesh(self):
-        return self.program.submesh("dp_replicate", "dp_shard", flatten="dp")
+        return self.program.flat_submesh(self.program.data_axes(context=False))
 
     @property
     def dp_rank(self) -> int:
@@ -159,15 +161,12 @@ class ParallelModel:
     @property
     def _averaged_over(self) -> int:
         # DataParallel averages gradients over dp (x cp) ranks; every rank scales its loss by it.
-        return self.dp_size * self.cp_size
+        return self.program.data_size()
 
     def _data_all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         """Sums over every rank that holds different tokens of the global batch (dp x cp)."""
-        if self.cp_size > 1:
-            mesh = self.program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
-            dist.all_reduce(value, group=mesh.get_group())
-        elif self.dp_size > 1:
-            dist.all_reduce(value, group=self._dp_mesh().get_group())
+        if self.program.data_size() > 1:
+            dist.all_reduce(value, group=self.program.flat_submesh(self.program.data_axes()).get_group())
         return value
 
     def _shard_sequence(self, fields: Batch) -> Batch:
@@ -218,9 +217,14 @@ class ParallelModel:
         scale = self._averaged_over * loss_scale / tokens_with_loss
         if self.pipelined:
             microbatches = microbatches or self.program.state["pipeline"]["microbatches"]
+        steps = microbatches or 1
+        # The balancing losses are per micro-batch: the objective averages them over this call's.
+        self.moe.set_loss_scale(self._averaged_over * loss_scale / steps)
+        before = self.moe.local_loss()
+        if self.pipelined:
             loss_sum = self.pipeline().run(whole, microbatches, float(scale))
-            return self._data_all_reduce(loss_sum) / tokens_with_loss
-        fields = whole.split(microbatches or 1)
+            return self._data_all_reduce(loss_sum) / tokens_with_loss + self._moe_loss(before, steps)
+        fields = whole.split(steps)
         device = fields[0].tokens.device
         loss_sum = torch.zeros((), device=device)
         for index, chunk in enumerate(fields):
@@ -231,7 +235,22 @@ class ParallelModel:
                 chunk_sum = (losses * chunk.loss_mask).sum()
                 (chunk_sum * scale).backward()
             loss_sum += chunk_sum.detach()
-        return self._data_all_reduce(loss_sum) / tokens_with_loss
+        return self._data_all_reduce(loss_sum) / tokens_with_loss + self._moe_loss(before, steps)
+
+    def _moe_loss(self, before: torch.Tensor, steps: int) -> torch.Tensor | float:
+        """The mixture-of-experts balancing losses of the call just run (0 without MoE layers)."""
+        if not self.moe:
+            return 0.0
+        return (self.moe.global_loss(self.moe.local_loss() - before) / steps).to(self.mesh.device_type)
+
+    def update_expert_bias(self) -> None:
+        """After the optimizer step: moves every MoE router's expert bias towards balance
+        (auxiliary-loss-free load balancing); a no-op for models without one."""
+        self.moe.update_expert_bias()
+
+    def moe_stats(self) -> dict:
+        """Per-layer expert load and the dropped fraction since the last call (collective)."""
+        return self.moe.pop_stats()
 
     @torch.no_grad()
     def loss_sum(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,33 @@ class PipelineParts(nn.Module):
         raise RuntimeError("a pipeline-parallel model runs through ParallelModel.forward_backward / loss_sum")
 
 
+@contextlib.contextmanager
+def _not_counting(module: nn.Module):
+    """Layers that keep training statistics (MoE routing) skip the forwards run inside."""
+    counting = [m for m in module.modules() if getattr(m, "counting", False)]
+    for m in counting:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in counting:
+            m.counting = True
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose metadata inference (a forward and backward on stand-in tensors,
+    run before the first step and after every eval/train switch) leaves no trace in the
+    model's statistics."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with _not_counting(self.submod):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        with _not_counting(self.submod):
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+
 class PipelineRuntime:
     """Builds this rank's PipelineStages and, per micro-batch count, the plan's schedule."""
 
@@ -55,7 +82,7 @@ class PipelineRuntime:
         device = torch.device(program.mesh.device_type, torch.cuda.current_device()) \
             if program.mesh.device_type == "cuda" else torch.device("cpu")
         self.stages = [
-            PipelineStage(part, stage, info["stages"], device, group=self.group)
+            _Stage(part, stage, info["stages"], device, group=self.group)
             for part, stage in zip(program.parts, info["local_stages"])
         ]
         self.has_first = 0 in info["local_stages"]

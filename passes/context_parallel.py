@@ -76,7 +76,7 @@ class ContextParallel(Pass):
         if self.load_balance not in LOAD_BALANCE:
             raise PlanError(f"ContextParallel(load_balance={self.load_balance!r}); use 'zigzag' or None")
         family = program.family
-        if family is None or (family.attention_core is None and family.name != "hf-llama"):
+        if family is None or (family.attention_core is None and not family.name.startswith("hf-")):
             raise PlanError(
                 f"ContextParallel cannot find the attention of {type(program.model).__name__}: its model family "
                 "names no attention-core module. Fix: register a family with attention_core, or drop ContextParallel"

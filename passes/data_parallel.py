@@ -69,61 +69,77 @@ class DataParallel(Pass):
                 "DataParallel(mode='hsdp') needs dp_replicate > 1 in the mesh; with dp_replicate=1 "
                 "it is plain FSDP. Fix: use mode='fsdp' or make_mesh(dp_replicate=...)"
             )
-        context = program.axis_size("cp") if "context_parallel" in program.state else 1
+        experts = set(program.state.get("expert_parallel", {}).get("experts", ()))
         blocks = program.blocks(self.blocks)
         for fqn, param in program.layout.params():
-            if self.mode in ("fsdp", "hsdp"):
-                if self.mode == "hsdp":
-                    param.placements["dp_replicate"] = REPLICATE
-                param.placements["dp_shard"] = shard(0)
-                if context > 1:  # FSDP shards over dp_shard x cp, one flattened axis
-                    param.placements["cp"] = shard(0)
+            if self.mode == "ddp":
+                continue
+            module = fqn.rpartition(".")[0]
+            if self.mode == "hsdp":
+                param.placements["dp_replicate"] = REPLICATE
+            # Dense weights shard over every rank with other tokens; experts (already split over
+            # ep) over the ranks that hold the same experts.
+            for axis in self._shard_axes(program, expert=module in experts):
+                param.placements[axis] = shard(0)
         precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
-        for fqn in [*blocks, ""]:
+        for fqn in [*experts, *blocks, ""]:
             entry = program.layout[fqn]
             entry.wrap = self.mode
             entry.precision = precision
-        program.state["data_parallel"] = {"mode": self.mode, "size": replicas * shards, "cp": context}
-        program.note(f"DataParallel({self.mode}) over {replicas}x{shards}" + (f"x{context} (cp)" if context > 1 else "")
-                     + f" ranks, {len(blocks)} blocks + root")
+        program.state["data_parallel"] = {"mode": self.mode, "size": program.data_size(context=False)}
+        over = " x ".join(f"{axis}={program.mesh_shape[axis]}" for axis in program.data_axes() if
+                          program.mesh_shape[axis] > 1) or "1 rank"
+        program.note(f"DataParallel({self.mode}) over {over}, {len(blocks)} blocks + root"
+                     + (f" + {len(experts)} expert groups" if experts else ""))
 
-    def _mesh(self, program: Program):
-        # Context-parallel ranks hold the same parameters and see different tokens: gradients
-        # are averaged over them too, as Megatron's dp_cp group does.
-        context = program.state["data_parallel"]["cp"] > 1
+    def _shard_axes(self, program: Program, *, expert: bool) -> tuple[str, ...]:
+        """The axes of size > 1 FSDP shards over (HSDP: within a replica); dp_shard if none."""
+        axes = [axis for axis in program.data_axes() if axis != "dp_replicate" and program.mesh_shape[axis] > 1]
+        return tuple(axis for axis in axes if not (expert and axis == "ep")) or ("dp_shard",)
+
+    def _mesh(self, program: Program, *, expert: bool = False):
+        # Context-parallel ranks hold the same weights and see other tokens: gradients are
+        # averaged over them too (Megatron's dp_cp group). Experts are replicated only over the
+        # ranks outside their expert-parallel group.
+        shard_axes = self._shard_axes(program, expert=expert)
         if self.mode == "fsdp":
-            return program.submesh("dp_shard", "cp", flatten="dp_shard_cp") if context else program.submesh("dp_shard")
-        if self.mode == "hsdp" and context:  # replicate x (dp_shard x cp)
-            replicas = program.mesh_shape["dp_replicate"]
-            flat = program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
-            return flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "dp_shard_cp"))
+            return program.flat_submesh(shard_axes)
         if self.mode == "hsdp":
-            return program.submesh("dp_replicate", "dp_shard")
-        if context:
-            return program.submesh("dp_replicate", "dp_shard", "cp", flatten="dp_cp")
-        return program.submesh("dp_replicate", "dp_shard", flatten="dp")
+            replicas = program.mesh_shape["dp_replicate"]
+            flat = program.flat_submesh(("dp_replicate", *shard_axes))
+            return flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "_".join(shard_axes)))
+        return program.flat_submesh(("dp_replicate", *shard_axes))
 
     def apply(self, program: Program) -> None:
-        mesh = self._mesh(program)
         policy = MixedPrecisionPolicy(
             param_dtype=None if self.param_dtype == "float32" else _dtype(self.param_dtype),
             reduce_dtype=_dtype(self.reduce_dtype),
         )
+        experts = set(program.state.get("expert_parallel", {}).get("experts", ()))
         wrapped = [fqn for fqn, entry in program.layout.modules.items() if entry.wrap and fqn]
+        wrapped.sort(key=lambda fqn: -fqn.count("."))  # inner units (experts) before their blocks
         reshard = self.reshard_after_forward
         if reshard is None and "pipeline" in program.state:
             reshard = False  # micro-batches would all-gather every block again and again
         kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
+        dense, expert_mesh = self._mesh(program), self._mesh(program, expert=True) if experts else None
         for fqn in [*wrapped, ""]:
+            mesh = expert_mesh if fqn in experts else dense
             for module in program.modules_at(fqn):
                 if self.mode == "ddp":
                     replicate(module, mesh=mesh, mp_policy=policy)
                 else:
                     fully_shard(module, mesh=mesh, mp_policy=policy, **kwargs)
-        backend = dist.get_backend(mesh.get_group(0))
+                if fqn in experts:
+                    # Expert gradients arrive summed over the expert-parallel group's tokens;
+                    # averaging over every data rank (not only the replicas) gives the mean.
+                    module.set_gradient_divide_factor(float(program.data_size()))
+        backend = dist.get_backend(dense.get_group(0))
         if "nccl" not in backend:
-            # gloo has no AVG/PREMUL_SUM reduction: reduce with SUM, then divide explicitly.
+            # gloo has no AVG/PREMUL_SUM reduction: reduce with SUM, then divide explicitly. Not
+            # on one-rank units: there torch 2.13 divides a custom divide factor out twice.
+            single = expert_mesh is not None and expert_mesh.size() == 1
             for part in program.parts:
-                for module in part.modules():
-                    if isinstance(module, FSDPModule):
+                for fqn, module in part.named_modules():
+                    if isinstance(module, FSDPModule) and not (single and fqn in experts):
                         module.set_force_sum_reduction_for_comms(True)

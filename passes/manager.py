@@ -18,6 +18,7 @@ _AXIS_OWNERS = {
     "pp": "PipelineSplit(axis='pp')",
     "dp_replicate": "DataParallel(mode='hsdp') or DataParallel(mode='ddp')",
     "dp_shard": "DataParallel(mode='fsdp')",
+    "ep": "ExpertParallel(axis='ep')",
     "cp": "ContextParallel(axis='cp')",
     "tp": "TensorParallel(axis='tp')",
 }

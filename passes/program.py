@@ -14,6 +14,10 @@ from dtmega.passes.families import ModelFacts, ModelFamily, family_of, known_fam
 from dtmega.passes.layout import Layout
 from dtmega.passes.rules import glob_match
 
+# Axes over which the global batch's sequences are split. Expert parallelism borrows its ranks
+# from data parallelism, so `ep` is one of them; context parallelism splits each sequence.
+BATCH_AXES = ("dp_replicate", "dp_shard", "ep")
+
 
 def mesh_shape_of(mesh: DeviceMesh | dict[str, int]) -> dict[str, int]:
     """{axis: size} of a DeviceMesh (or a dict already in that form)."""
@@ -106,6 +110,24 @@ class Program:
         if self.mesh is None:
             raise RuntimeError("this program was built for annotation only; it has no DeviceMesh")
         return submesh(self.mesh, *axes, flatten=flatten)
+
+    def data_axes(self, *, context: bool = True) -> tuple[str, ...]:
+        """The mesh axes whose ranks hold different tokens of the global batch: the batch axes,
+        and `cp` when context parallelism splits sequences (`context`)."""
+        axes = BATCH_AXES + (("cp",) if context and "context_parallel" in self.state else ())
+        return tuple(axis for axis in axes if axis in self.mesh_shape)
+
+    def data_size(self, *, context: bool = True) -> int:
+        """Number of ranks holding different tokens (see `data_axes`)."""
+        size = 1
+        for axis in self.data_axes(context=context):
+            size *= self.mesh_shape[axis]
+        return size
+
+    def flat_submesh(self, axes: tuple[str, ...] | list[str]) -> DeviceMesh:
+        """The ranks along `axes` (those this mesh has) as one 1-D mesh (apply-time only)."""
+        present = [axis for axis in axes if axis in self.mesh_shape]
+        return self.submesh(*present, flatten="_".join(present))
 
     def modules_at(self, fqn: str) -> list[nn.Module]:
         """The module at `fqn` in every local part that has it (the root is in every part; a

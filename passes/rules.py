@@ -86,12 +86,14 @@ def resolve_rules(
     modules: dict[str, nn.Module], defaults: list[Rule], overrides: list[Rule]
 ) -> tuple[dict[str, Rule], list[Rule]]:
     """FQN -> winning rule, with user `overrides` beating `defaults` (later rules beat earlier
-    ones within each list). Also returns the rules that matched no module at all."""
+    ones within each list). Also returns the user rules that matched no module at all (a
+    built-in rule set covers every variant of its family, e.g. dense and MoE blocks, so a
+    built-in rule may match nothing in one model)."""
     chosen: dict[str, Rule] = {}
     unmatched = []
     for rule in [*defaults, *overrides]:
         hits = [fqn for fqn, module in modules.items() if rule.matches(fqn, module)]
-        if not hits:
+        if not hits and rule in overrides:
             unmatched.append(rule)
         for fqn in hits:
             chosen[fqn] = rule

@@ -10,7 +10,7 @@ from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import PARTIAL, REPLICATE
 from dtmega.passes.program import Program
 from dtmega.passes.rules import Rule, resolve_rules
-from dtmega.passes.tp_styles import RESIDUAL_READERS, RESIDUAL_WRITERS, SEQ, apply_styles, style
+from dtmega.passes.tp_styles import RESIDUAL_BLOCKS, RESIDUAL_READERS, RESIDUAL_WRITERS, SEQ, apply_styles, style
 
 
 @dataclass
@@ -40,11 +40,16 @@ class SequenceParallel(Pass):
         if not defaults and not self.rules:
             program.facts
             raise PlanError("SequenceParallel has no rules: pass rules=[Rule(pattern, style), ...]")
-        for entry in program.layout.modules.values():
+        blocks = [fqn for fqn, entry in program.layout.modules.items() if entry.style in RESIDUAL_BLOCKS]
+        for fqn, entry in program.layout.modules.items():
+            if any(fqn.startswith(f"{block}.") for block in blocks):
+                continue  # inside a block that rejoins the residual stream itself (MoE shared experts)
             if entry.style in RESIDUAL_WRITERS and entry.outputs.get(self.axis) == f"{PARTIAL}->{REPLICATE}":
                 entry.outputs[self.axis] = f"{PARTIAL}->{SEQ}"
             elif entry.style in RESIDUAL_READERS and entry.inputs.get(self.axis) == REPLICATE:
                 entry.inputs[self.axis] = f"{SEQ}->{REPLICATE}"
+            elif entry.style in RESIDUAL_BLOCKS and entry.inputs.get(self.axis) == REPLICATE:
+                entry.inputs[self.axis], entry.outputs[self.axis] = f"{SEQ}->{REPLICATE}", f"{REPLICATE}->{SEQ}"
         chosen, unmatched = resolve_rules(program.modules, defaults, self.rules)
         if unmatched:
             names = ", ".join(f"Rule({r.pattern!r}, {r.style!r})" for r in unmatched)

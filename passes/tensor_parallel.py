@@ -72,6 +72,14 @@ class TensorParallel(Pass):
                 "Fix: correct the pattern (module FQNs look like 'layers.0.attention.wq'; '*' is one "
                 "component, '**' any number)"
             )
+        if not chosen:
+            raise PlanError(f"TensorParallel found nothing to shard in {type(program.model).__name__}; give rules=[...]")
+        if program.family is not None and self.builtin_rules and program.facts.moe is not None \
+                and not program.family.moe_tensor_parallel:
+            raise PlanError(
+                f"TensorParallel does not shard the mixture-of-experts layers of {program.family.name} models yet "
+                "(dtmega's own MoE models support it). Fix: parallelize them with ExpertParallel and DataParallel"
+            )
         for fqn, rule in chosen.items():
             entry = program.layout[fqn]
             entry.style = rule.style

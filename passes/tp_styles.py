@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -99,6 +100,23 @@ def _annotate_gather_input(entry, module, axis, size, options):
     entry.options = {**entry.options, **options}
 
 
+def _annotate_moe(entry, module, axis, size, options):
+    # Routing sees every token of the micro-batch on every TP rank; the experts' outputs are
+    # reduced inside (expert_hidden), so the layer's output is whole on every rank.
+    entry.inputs[axis], entry.outputs[axis] = REPLICATE, REPLICATE
+
+
+# Expert weights [E, hidden, dim] (w1, w3) and [E, dim, hidden] (w2): shard the hidden dim.
+EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def _annotate_expert_hidden(entry, module, axis, size, options):
+    hidden = getattr(module, "w1").shape[1]
+    _require_divisible("expert hidden size (moe ffn_dim)", hidden, axis, size, entry.type)
+    _set_params(entry, axis, {name: shard(dim) for name, dim in EXPERT_HIDDEN_DIMS.items()})
+    entry.outputs[axis] = f"{PARTIAL}->{REPLICATE}"
+
+
 # ---- build halves -----------------------------------------------------------------------------
 def _src(text: str):
     return to_placement(transition(text)[0])
@@ -145,6 +163,37 @@ def _build_gather_input(entry, axis):
     )
 
 
+def _build_moe(entry, axis):
+    src, dst = _src(entry.inputs[axis]), _dst(entry.outputs[axis])
+    return PrepareModuleInputOutput(
+        input_layouts=(src,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(dst,), use_local_output=dst == Replicate(),
+    )
+
+
+class ExpertHiddenParallel(ParallelStyle):
+    """Shards every expert's hidden dim (Megatron's expert tensor parallelism) and has the
+    experts module sum its partial outputs over the axis. Where expert parallelism also shards
+    the experts, it distributes the weights over both axes itself (`options['expert_parallel']`)."""
+
+    def __init__(self, distribute: bool):
+        super().__init__()
+        self.distribute = distribute
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.distribute:
+            for name, dim in EXPERT_HIDDEN_DIMS.items():
+                param = getattr(module, name)
+                sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
+                setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.tp_mesh = device_mesh
+        return module
+
+
+def _build_expert_hidden(entry, axis):
+    return ExpertHiddenParallel(distribute=not entry.options.get("expert_parallel", False))
+
+
 class TorchtitanVocabEmbedding(ParallelStyle):
     """torchtitan's `Embedding` does its own vocab-parallel lookup once it is given a TP group
     (and always reads the local shard of a DTensor weight): shard the weight, hand it the group,
@@ -183,6 +232,8 @@ STYLES: dict[str, Style] = {
         Style("output", "tensor_parallel", _annotate_output, _build_output),
         Style("sequence_norm", "sequence_parallel", _annotate_sequence_norm, _build_sequence_norm),
         Style("gather_input", "sequence_parallel", _annotate_gather_input, _build_gather_input),
+        Style("moe", "tensor_parallel", _annotate_moe, _build_moe),
+        Style("expert_hidden", "tensor_parallel", _annotate_expert_hidden, _build_expert_hidden),
     )
 }
 
@@ -190,6 +241,8 @@ STYLES: dict[str, Style] = {
 # and whose input leaves it (sequence parallelism all-gathers it).
 RESIDUAL_WRITERS = ("rowwise", "embedding", "torchtitan_embedding")
 RESIDUAL_READERS = ("output",)
+# Styles that both leave and join the residual stream (their output is whole on every rank).
+RESIDUAL_BLOCKS = ("moe",)
 
 
 def style(name: str, owner: str) -> Style:
@@ -226,4 +279,7 @@ def retie_parameters(program) -> None:
             setattr(part.get_submodule(module_fqn), name, getattr(part.get_submodule(owner_module), owner_name))
 
 
-__all__ = ["STYLES", "Style", "style", "apply_styles", "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS"]
+__all__ = [
+    "STYLES", "Style", "style", "apply_styles", "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS",
+    "RESIDUAL_BLOCKS",
+]

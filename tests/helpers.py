@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 import dtmega
 from dtmega.kernels import per_token_cross_entropy
 from dtmega.models import Llama, LlamaConfig
+from dtmega.models.moe import moe_layers, update_expert_bias
 from dtmega.passes import family_of
 
 WORLD = 4  # ranks of the distributed suite
@@ -38,13 +39,19 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _moe_losses(model: nn.Module) -> float:
+    return sum(float(layer.stats["loss"]) for _, layer in moe_layers(model) if "loss" in layer.stats)
+
+
 def reference_loss(model: nn.Module, batch: TensorDict) -> torch.Tensor:
-    """The unsharded model's loss on the whole global batch: token-weighted mean cross entropy."""
+    """The unsharded model's loss on the whole global batch: token-weighted mean cross entropy,
+    plus the balancing losses of MoE layers (whose gradient their layers attach themselves)."""
     family = family_of(model)
+    before = _moe_losses(model)
     logits = family.logits(model, batch["tokens"], batch.get("position_ids", None))
     losses = per_token_cross_entropy(logits, batch["labels"])
     mask = batch["loss_mask"]
-    return (losses * mask).sum() / mask.sum()
+    return (losses * mask).sum() / mask.sum() + (_moe_losses(model) - before)
 
 
 def debug_llama(**overrides) -> LlamaConfig:
@@ -122,6 +129,8 @@ def compare_training(
         assert_covers_parameters(parallel, set(ref_params))
         ref_opt.step()
         par_opt.step()
+        update_expert_bias(reference)
+        parallel.update_expert_bias()
         for name, param in parallel.named_parameters():
             result.param = max(result.param, relative_error(full(param), ref_params[name]))
         if evaluate_between_steps:  # as a trainer validates: after the update, before the next step

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtmega.init import InitSpec, init_parameters
+from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
 from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.moe import MoE
 from dtmega.models.rope import apply_rope, rope_cache
 
 
@@ -66,28 +68,18 @@ class Attention(nn.Module):
         return self.wo(out.reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, config: LlamaConfig):
-        super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (a mixture of experts on MoE layers)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, index: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        if config.moe is not None and config.moe.is_moe_layer(index):
+            self.feed_forward: nn.Module = MoE(config.dim, config.moe)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, cache=cache)
@@ -101,7 +93,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -142,7 +134,7 @@ class Llama(nn.Module):
         std = self.config.init_std
         if param.ndim == 1:
             return InitSpec("ones")
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
             return InitSpec("trunc_normal", std / math.sqrt(2 * self.config.n_layers))
         if name == "tok_embeddings.weight":
             return InitSpec("normal", std)
@@ -158,3 +150,6 @@ class Llama(nn.Module):
         if device.type == "meta":
             return
         self.rope_cache = self._rope_cache(device)
+        for module in self.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from dtmega.models.moe_config import MoEConfig
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -32,6 +33,7 @@ class LlamaConfig:
     max_seq_len: int = 131072
     tie_embeddings: bool = False
     init_std: float = 0.02
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forwards (None: every block dense)
 
     def __post_init__(self) -> None:
         problems = []
@@ -63,10 +65,23 @@ class LlamaConfig:
         """Exact parameter count, computed from the shapes alone (no model is built)."""
         hd = self.head_dim
         attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
+        layers = 0
+        for index in range(self.n_layers):
+            if self.moe is not None and self.moe.is_moe_layer(index):
+                layers += attn + self.moe.params_per_layer(self.dim) + 2 * self.dim
+            else:
+                layers += attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return embeddings + self.n_layers * per_layer + self.dim
+        return embeddings + layers + self.dim
+
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (MoE: top_k routed experts, not all of them);
+        what FLOPs per token are counted from."""
+        if self.moe is None:
+            return self.num_params()
+        moe = self.moe
+        idle = 3 * self.dim * moe.ffn_dim * (moe.num_experts - moe.top_k)
+        return self.num_params() - idle * sum(moe.is_moe_layer(i) for i in range(self.n_layers))
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LlamaConfig":
@@ -85,4 +100,26 @@ NAMED_CONFIGS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
     "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+    # The debug model with a mixture of 8 experts (top-2) in every block.
+    "debug-moe": LlamaConfig(
+        dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, rope_theta=10000.0,
+        rope_scaling=None, max_seq_len=512,
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
+    ),
+    # Mixtral 8x7B: 46,702,792,704 parameters, 12.9 B active per token.
+    "mixtral-8x7b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336, rope_theta=1e6,
+        rope_scaling=None, max_seq_len=32768,
+        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=14336, aux_loss_coeff=1e-2),
+    ),
+    # DeepSeek-V3's MoE recipe at a small size (GQA attention, not MLA): a dense first block, 64
+    # fine-grained experts (top-6) plus a shared one, sigmoid router scores scaled by 2.5,
+    # auxiliary-loss-free balancing by expert bias and a small per-sequence auxiliary loss.
+    "deepseek-v3-small": LlamaConfig(
+        dim=1024, n_layers=12, n_heads=16, n_kv_heads=4, vocab_size=32768, ffn_dim=2816, rope_theta=10000.0,
+        rope_scaling=None, max_seq_len=4096,
+        moe=MoEConfig(num_experts=64, top_k=6, ffn_dim=352, first_dense_layers=1, shared_expert_ffn_dim=352,
+                      score_func="sigmoid", route_scale=2.5, load_balancing="seq_aux_loss", aux_loss_coeff=1e-4,
+                      expert_bias=True, bias_update_rate=1e-3),
+    ),
 }

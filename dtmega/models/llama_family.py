@@ -6,12 +6,20 @@ import torch
 from torch import nn
 
 from dtmega.models.llama import Llama
-from dtmega.passes.families import ModelFacts, ModelFamily, register_family
+from dtmega.models.moe import MoE, moe_layers
+from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
 from dtmega.passes.rules import Rule
 
 
 def _describe(model: Llama) -> ModelFacts:
     c = model.config
+    layers = tuple(name for name, _ in moe_layers(model))
+    moe = None
+    if layers:
+        moe = MoEFacts(
+            layers=layers, num_experts=c.moe.num_experts, top_k=c.moe.top_k, router="router", experts="experts",
+            expert_params=("w1", "w2", "w3"), shared_experts="shared_experts" if c.moe.shared_expert_ffn_dim else None,
+        )
     return ModelFacts(
         family="dtmega-llama",
         n_heads=c.n_heads,
@@ -24,11 +32,17 @@ def _describe(model: Llama) -> ModelFacts:
         output="output",
         final_norm="norm",
         tied_embeddings=c.tie_embeddings,
+        moe=moe,
     )
 
 
 def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
     return model(tokens, position_ids)
+
+
+def _install_dispatcher(moe: nn.Module, dispatcher) -> None:
+    assert isinstance(moe, MoE)
+    moe.dispatcher = dispatcher
 
 
 DTMEGA_LLAMA = register_family(
@@ -45,6 +59,13 @@ DTMEGA_LLAMA = register_family(
             Rule("layers.*.feed_forward.w1", "colwise"),
             Rule("layers.*.feed_forward.w3", "colwise"),
             Rule("layers.*.feed_forward.w2", "rowwise"),
+            # Mixture-of-experts blocks: experts split on their hidden dim (Megatron's expert
+            # tensor parallelism = TP), shared experts as a dense MLP, router replicated.
+            Rule("layers.*.feed_forward", "moe", module_type="MoE"),
+            Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+            Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
             Rule("output", "output"),
         ),
         sp_rules=(
@@ -52,9 +73,11 @@ DTMEGA_LLAMA = register_family(
             Rule("layers.*.ffn_norm", "sequence_norm"),
             Rule("norm", "sequence_norm"),
             Rule("layers.*.attention", "gather_input", options={"args": 2}),
-            Rule("layers.*.feed_forward", "gather_input", options={"args": 1}),
+            Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
         ),
         logits=_logits,
         attention_core="attention.core",
+        install_dispatcher=_install_dispatcher,
+        moe_tensor_parallel=True,
     )
 )

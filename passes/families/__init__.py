@@ -18,6 +18,23 @@ from dtmega.passes.rules import Rule
 
 
 @dataclass(frozen=True)
+class MoEFacts:
+    """Where a model's mixture-of-experts layers are and what they hold."""
+
+    layers: tuple[str, ...]  # FQNs of the MoE feed-forward modules
+    num_experts: int
+    top_k: int
+    router: str  # FQN of the router, relative to an MoE module
+    experts: str  # FQN of the module holding the expert weights, relative to an MoE module
+    expert_params: tuple[str, ...]  # its [num_experts, ...] parameters
+    shared_experts: str | None = None
+
+    def experts_at(self, layer: str) -> str:
+        """FQN of the experts module of MoE layer `layer`."""
+        return f"{layer}.{self.experts}"
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """Shape facts every pass may check constraints against."""
 
@@ -32,6 +49,7 @@ class ModelFacts:
     output: str
     final_norm: str
     tied_embeddings: bool = False
+    moe: MoEFacts | None = None
 
     @property
     def n_layers(self) -> int:
@@ -57,6 +75,12 @@ class ModelFamily:
     logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] = default_logits
     attention_core: str | None = None  # FQN of the attention-core module, relative to a block
     position_kwarg: str = "position_ids"  # how a pipeline stage's forward takes position ids
+    # Installs a token dispatcher (dtmega.kernels.moe_dispatch) into one MoE module: how expert
+    # parallelism reaches the family's MoE code without editing it. None: no MoE support.
+    install_dispatcher: Callable[[nn.Module, object], None] | None = None
+    # Whether the family's MoE layers run under tensor parallelism (experts sharded on their
+    # hidden dim, Megatron's expert tensor parallelism = TP).
+    moe_tensor_parallel: bool = False
 
 
 _FAMILIES: list[ModelFamily] = []
@@ -92,4 +116,4 @@ def is_class(model: nn.Module, module_prefix: str, class_name: str) -> bool:
 
 
 def _load_builtin_families() -> None:
-    from dtmega.passes.families import hf_llama, torchtitan_llama  # noqa: F401  (register on import)
+    from dtmega.passes.families import hf_llama, hf_mixtral, torchtitan_llama, torchtitan_moe  # noqa: F401

@@ -122,9 +122,13 @@ def test_world_size_not_the_mesh_product():
     assert resolve_mesh_sizes(8, pp=1, dp_replicate=1, dp_shard=-1, cp=1, tp=2)["dp_shard"] == 4
 
 
-def test_expert_parallel_is_not_supported_yet():
-    with pytest.raises(PlanError, match="expert parallelism is not supported yet"):
+def test_expert_parallelism_larger_than_the_ranks_it_can_borrow():
+    with pytest.raises(PlanError, match=r"ep=2: expert parallelism borrows its ranks from data parallelism, but the "
+                                        r"world of 1 ranks has 1 data-parallel ranks"):
         dtmega.make_mesh(ep=2)
+    with pytest.raises(PlanError, match=r"ep=4: .* has 2 data-parallel ranks \(world / \(pp x cp x tp\) = 8 / 4\)"):
+        resolve_mesh_sizes(8, pp=1, dp_replicate=1, dp_shard=-1, ep=4, cp=1, tp=4)
+    assert resolve_mesh_sizes(8, pp=1, dp_replicate=1, dp_shard=-1, ep=2, cp=1, tp=2)["dp_shard"] == 2
 
 
 def test_errors_leave_the_model_untouched():

@@ -37,7 +37,7 @@ def test_llama3_405b_on_512_simulated_ranks():
                "--world", "512", "--tp", "8", "--json"]
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=120, cwd=ROOT)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "cp": 1, "tp": 8}
+    assert result["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "ep": 1, "cp": 1, "tp": 8}
     assert result["seconds"] < 30, result
     assert result["max_rss_gib"] < 4, result
     assert result["all_meta"], "a parameter was materialized"

@@ -1,0 +1,105 @@
+"""Expert parallelism as a pass: the experts of every MoE layer are split over the `ep` axis and
+tokens travel to the rank that holds their expert and back.
+
+`ep` borrows data-parallel ranks (the batch is split over dp_replicate x dp_shard x ep), so the
+router and every dense weight stay data-parallel over those ranks, while each expert lives on
+one ep rank and is data-parallel over the ranks outside its ep group (Megatron's
+expert-data-parallel group), which `DataParallel` wraps separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dtmega.kernels.context_shards import CommStats
+from dtmega.kernels.moe_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from dtmega.passes.base import Pass
+from dtmega.passes.errors import PlanError
+from dtmega.passes.placements import shard, shard_dim
+from dtmega.passes.program import Program
+
+
+@dataclass
+class ExpertParallel(Pass):
+    """Shards every MoE layer's experts over `axis` and dispatches tokens with
+    `dispatcher` = "alltoall" (uneven all-to-all of the routed tokens) or "allgather" (every rank
+    sees the group's tokens and computes its experts' share). The router stays replicated. Under
+    TensorParallel the experts are also split on their hidden dim (expert tensor parallelism =
+    TP, Megatron's default). Needs a DataParallel pass: ep ranks see different tokens."""
+
+    axis: str = "ep"
+    dispatcher: str = "alltoall"
+
+    provides = ("expert_parallel@{axis}",)
+    after = ("tensor_parallel@*", "sequence_parallel@*")
+
+    def annotate(self, program: Program) -> None:
+        size = program.axis_size(self.axis)
+        if self.dispatcher not in DISPATCHERS:
+            raise PlanError(f"ExpertParallel(dispatcher={self.dispatcher!r}) is unknown; use one of {DISPATCHERS}")
+        family = program.family
+        moe = program.facts.moe if family is not None else None
+        if moe is None or family.install_dispatcher is None:
+            raise PlanError(
+                f"ExpertParallel cannot find the router and experts of {type(program.model).__name__}: "
+                + ("no registered model family knows it" if family is None else
+                   f"its family ({family.name}) names no mixture-of-experts layers")
+                + ". Fix: build the model with MoE layers, or register a family whose facts describe them "
+                "(ModelFacts.moe and ModelFamily.install_dispatcher)"
+            )
+        if moe.num_experts % size:
+            raise PlanError(
+                f"num_experts={moe.num_experts} is not divisible by {self.axis}={size}: every expert-parallel rank "
+                f"holds the same number of experts. Fix: use {self.axis} in "
+                f"{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}"
+            )
+        experts = []
+        for layer in moe.layers:
+            for fqn in (f"{layer}.{moe.router}", moe.experts_at(layer)):
+                if fqn not in program.layout:
+                    raise PlanError(f"ExpertParallel expected {fqn!r} in {type(program.model).__name__}; none found")
+            entry = program.layout[moe.experts_at(layer)]
+            for name in moe.expert_params:
+                entry.params[name].placements[self.axis] = shard(0)
+            entry.kernel = f"expert_parallel({self.dispatcher})"
+            entry.options = {**entry.options, "expert_parallel": True}
+            experts.append(moe.experts_at(layer))
+        program.state["expert_parallel"] = {"axis": self.axis, "size": size, "experts": experts,
+                                            "dispatcher": self.dispatcher}
+        program.note(f"ExpertParallel({self.dispatcher}, {self.axis}={size}): {moe.num_experts // size} of "
+                     f"{moe.num_experts} experts per rank in {len(moe.layers)} layers")
+
+    def finalize(self, program: Program) -> None:
+        if program.axis_size(self.axis) > 1 and "data_parallel" not in program.state:
+            raise PlanError(
+                f"ExpertParallel borrows data-parallel ranks ({self.axis} ranks see different tokens), whose dense "
+                "gradients must then be averaged: add DataParallel('fsdp') (or 'ddp'/'hsdp') to the plan"
+            )
+
+    def apply(self, program: Program) -> None:
+        info = program.state["expert_parallel"]
+        moe = program.facts.moe
+        stats = info.setdefault("stats", CommStats())
+        group = program.submesh(self.axis).get_group()
+        make = AllToAllDispatcher if self.dispatcher == "alltoall" else AllGatherDispatcher
+        for layer in moe.layers:
+            for module in program.modules_at(layer):
+                program.family.install_dispatcher(module, make(moe.num_experts, group, stats))
+            entry = program.layout[moe.experts_at(layer)]
+            for experts in program.modules_at(moe.experts_at(layer)):
+                self._distribute(program, experts, entry)
+
+    def _distribute(self, program: Program, experts: nn.Module, entry) -> None:
+        """Shards the expert weights over ep (and tp, where expert tensor parallelism applies)."""
+        for name, layout in entry.params.items():
+            axes = [axis for axis in (self.axis, "tp") if shard_dim(layout.placement(axis)) is not None]
+            mesh = program.submesh(*axes)
+            param = getattr(experts, name)
+            placements = [Shard(shard_dim(layout.placements[axis])) for axis in mesh.mesh_dim_names]
+            sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            if "tp" in axes:
+                experts.tp_mesh = program.submesh("tp")

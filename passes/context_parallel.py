@@ -82,6 +82,12 @@ class ContextParallel(Pass):
                 "names no attention-core module. Fix: register a family with attention_core, or drop ContextParallel"
             )
         facts = program.facts
+        if size > 1 and facts.moe is not None and facts.moe.capacity_factor is not None:
+            raise PlanError(
+                f"the model's MoE layers drop tokens above capacity per sequence (capacity_factor="
+                f"{facts.moe.capacity_factor}), which needs whole sequences on a rank, but ContextParallel splits "
+                "them. Fix: dropless routing (capacity_factor=None) with context parallelism"
+            )
         tp = program.state.get("tensor_parallel", {}).get("tp", 1)
         if self.method == "a2a" and (facts.n_heads // tp) % size:
             raise PlanError(

@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
-from dtmega.passes.placements import REPLICATE, shard
+from dtmega.passes.placements import REPLICATE, shard, shard_dim
 from dtmega.passes.program import Program
 
 MODES = ("fsdp", "hsdp", "ddp")
@@ -79,8 +80,10 @@ class DataParallel(Pass):
                 param.placements["dp_replicate"] = REPLICATE
             # Dense weights shard over every rank with other tokens; experts (already split over
             # ep) over the ranks that hold the same experts.
-            for axis in self._shard_axes(program, expert=module in experts):
-                param.placements[axis] = shard(0)
+            axes = self._shard_axes(program, expert=module in experts)
+            dim = self._expert_shard_dim(program, param, axes) if module in experts else 0
+            for axis in axes:
+                param.placements[axis] = shard(dim)
         precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
         for fqn in [*experts, *blocks, ""]:
             entry = program.layout[fqn]
@@ -91,6 +94,27 @@ class DataParallel(Pass):
                           program.mesh_shape[axis] > 1) or "1 rank"
         program.note(f"DataParallel({self.mode}) over {over}, {len(blocks)} blocks + root"
                      + (f" + {len(experts)} expert groups" if experts else ""))
+
+    @staticmethod
+    def _expert_shard_dim(program: Program, param, axes: tuple[str, ...]) -> int:
+        """Dim 0 (experts) when each FSDP rank gets at least one local expert; otherwise the
+        first dim no other axis shards, so few experts over many ranks still split evenly."""
+        local_experts = param.local_shape(program.mesh_shape)[0]
+        ranks = 1
+        for axis in axes:
+            ranks *= program.mesh_shape[axis]
+        if local_experts >= ranks:
+            return 0
+        taken = {shard_dim(p) for p in param.placements.values()}
+        return next((d for d in range(1, len(param.shape)) if d not in taken), 0)
+
+    def _placement_fn(self, program: Program, fqn: str, module):
+        """FSDP's shard dim of each expert weight, as annotated (None: dim 0 for all)."""
+        axis = self._shard_axes(program, expert=True)[0]
+        entry = program.layout[fqn]
+        dims = {id(param): shard_dim(entry.params[name].placement(axis)) or 0
+                for name, param in module.named_parameters(recurse=False)}
+        return (lambda param: Shard(dims.get(id(param), 0))) if any(dims.values()) else None
 
     def _shard_axes(self, program: Program, *, expert: bool) -> tuple[str, ...]:
         """The axes of size > 1 FSDP shards over (HSDP: within a replica); dp_shard if none."""
@@ -129,7 +153,8 @@ class DataParallel(Pass):
                 if self.mode == "ddp":
                     replicate(module, mesh=mesh, mp_policy=policy)
                 else:
-                    fully_shard(module, mesh=mesh, mp_policy=policy, **kwargs)
+                    placement = self._placement_fn(program, fqn, module) if fqn in experts else None
+                    fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=placement, **kwargs)
                 if fqn in experts:
                     # Expert gradients arrive summed over the expert-parallel group's tokens;
                     # averaging over every data rank (not only the replicas) gives the mean.

@@ -50,6 +50,11 @@ class ExpertParallel(Pass):
                 + ". Fix: build the model with MoE layers, or register a family whose facts describe them "
                 "(ModelFacts.moe and ModelFamily.install_dispatcher)"
             )
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise PlanError(
+                f"the model routes each token to top_k={moe.top_k} of {moe.num_experts} experts; top_k must be "
+                "between 1 and num_experts. Fix: the model's MoE config"
+            )
         if moe.num_experts % size:
             raise PlanError(
                 f"num_experts={moe.num_experts} is not divisible by {self.axis}={size}: every expert-parallel rank "

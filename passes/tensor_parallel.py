@@ -58,6 +58,12 @@ class TensorParallel(Pass):
 
     def annotate(self, program: Program) -> None:
         size = program.axis_size(self.axis)
+        if program.family is not None and self.builtin_rules and program.facts.moe is not None \
+                and not program.family.moe_tensor_parallel:
+            raise PlanError(
+                f"TensorParallel does not shard the mixture-of-experts layers of {program.family.name} models yet "
+                "(dtmega's own MoE models support it). Fix: parallelize them with ExpertParallel and DataParallel"
+            )
         defaults = list(program.family.tp_rules) if (program.family and self.builtin_rules) else []
         if not defaults and not self.rules:
             program.facts  # raises the "no rule set knows this model" error
@@ -74,12 +80,6 @@ class TensorParallel(Pass):
             )
         if not chosen:
             raise PlanError(f"TensorParallel found nothing to shard in {type(program.model).__name__}; give rules=[...]")
-        if program.family is not None and self.builtin_rules and program.facts.moe is not None \
-                and not program.family.moe_tensor_parallel:
-            raise PlanError(
-                f"TensorParallel does not shard the mixture-of-experts layers of {program.family.name} models yet "
-                "(dtmega's own MoE models support it). Fix: parallelize them with ExpertParallel and DataParallel"
-            )
         for fqn, rule in chosen.items():
             entry = program.layout[fqn]
             entry.style = rule.style

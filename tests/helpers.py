@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -81,6 +81,8 @@ class Comparison:
     grad: float = 0.0
     param: float = 0.0
     worst_grad_name: str = ""
+    grads: dict[str, float] = field(default_factory=dict)  # worst error per parameter
+    params: dict[str, float] = field(default_factory=dict)
 
 
 def compare_training(
@@ -124,6 +126,7 @@ def compare_training(
             grad = full(param.grad)
             if step == 0 or evaluate_between_steps:
                 error = relative_error(grad, ref_params[name].grad)
+                result.grads[name] = max(result.grads.get(name, 0.0), error)
                 if error > result.grad:
                     result.grad, result.worst_grad_name = error, name
         assert_covers_parameters(parallel, set(ref_params))
@@ -132,7 +135,9 @@ def compare_training(
         update_expert_bias(reference)
         parallel.update_expert_bias()
         for name, param in parallel.named_parameters():
-            result.param = max(result.param, relative_error(full(param), ref_params[name]))
+            error = relative_error(full(param), ref_params[name])
+            result.params[name] = max(result.params.get(name, 0.0), error)
+            result.param = max(result.param, error)
         if evaluate_between_steps:  # as a trainer validates: after the update, before the next step
             par_opt.zero_grad()
             parallel.eval()

@@ -35,3 +35,46 @@ def hf_tiny_llama(seed: int = 0, tie: bool = False) -> nn.Module:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).float()
+
+
+def torchtitan_tiny_moe(seed: int = 0) -> nn.Module:
+    """torchtitan's qwen3 MoE model class, built with torchtitan's own layer builder at a tiny
+    size (2 blocks, dim 64, 8 experts top-2, vocab 256) and SDPA attention."""
+    import dataclasses
+
+    from torchtitan.models import qwen3
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    base = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
+    rope = dataclasses.replace(base.layers[0].attention.rope, dim=16, max_seq_len=256)
+    layers = qwen3._build_qwen3_moe_layers(
+        n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=32, num_experts=8, top_k=2,
+        attn_backend="flex", moe_comm_backend="standard", rope=rope,
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = dataclasses.replace(
+        base, vocab_size=256, dim=64, norm=qwen3._qwen3_norm(64), layers=layers,
+        tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=256, embedding_dim=64),
+        lm_head=dataclasses.replace(base.lm_head, in_features=64, out_features=256),
+    )
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+def hf_tiny_mixtral(seed: int = 0) -> nn.Module:
+    """A tiny `transformers.MixtralForCausalLM` (2 layers, 8 experts top-2, vocab 256)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config).float()

@@ -28,6 +28,7 @@ class MoEFacts:
     experts: str  # FQN of the module holding the expert weights, relative to an MoE module
     expert_params: tuple[str, ...]  # its [num_experts, ...] parameters
     shared_experts: str | None = None
+    capacity_factor: float | None = None  # tokens dropped per sequence above capacity (None: dropless)
 
     def experts_at(self, layer: str) -> str:
         """FQN of the experts module of MoE layer `layer`."""

@@ -44,6 +44,7 @@ class ParallelModel:
         self._module = parts[0] if len(parts) == 1 else PipelineParts(parts)
         self._pipeline: PipelineRuntime | None = None
         self.moe = MoERuntime(program)
+        self.last_moe_loss = 0.0  # the balancing-loss part of the last forward_backward's loss
 
     # ---- what the plan produced ---------------------------------------------------------------
     @property
@@ -241,7 +242,9 @@ class ParallelModel:
         """The mixture-of-experts balancing losses of the call just run (0 without MoE layers)."""
         if not self.moe:
             return 0.0
-        return (self.moe.global_loss(self.moe.local_loss() - before) / steps).to(self.mesh.device_type)
+        loss = self.moe.global_loss(self.moe.local_loss() - before) / steps
+        self.last_moe_loss = float(loss)
+        return loss.to(self.mesh.device_type)
 
     def update_expert_bias(self) -> None:
         """After the optimizer step: moves every MoE router's expert bias towards balance

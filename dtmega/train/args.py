@@ -74,10 +74,31 @@ class TrainArgs:
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
                                      ("ddp", "fsdp", "hsdp"))
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
+    expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
+    expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP; default TP)")
     recompute_granularity: str | None = _opt(None, "activation recompute", ("full", "selective"))
     recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
+    # ---- mixture of experts ----
+    num_experts: int | None = _opt(None, "experts per MoE layer (unset: every block dense)")
+    moe_router_topk: int = _opt(2, "experts each token is routed to")
+    moe_ffn_hidden_size: int | None = _opt(None, "hidden size of one expert (default: --ffn-hidden-size)")
+    moe_layer_freq: str = _opt("1", "MoE on every k-th block (an int), or a pattern '([0]*K+[1]*M)': K dense first")
+    moe_shared_expert_intermediate_size: int | None = _opt(None, "hidden size of the shared experts (unset: none)")
+    moe_router_score_function: str = _opt("softmax", "router scores", ("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = _opt(False, "softmax over all experts before top-k (default: over the k chosen)")
+    moe_router_topk_scaling_factor: float | None = _opt(None, "multiply the routing weights by this")
+    moe_router_load_balancing_type: str = _opt("aux_loss", "balancing loss: over the micro-batch, per sequence, none",
+                                               ("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = _opt(0.0, "weight of the load-balancing loss")
+    moe_z_loss_coeff: float | None = _opt(None, "weight of the router z-loss")
+    moe_router_enable_expert_bias: bool = _opt(False, "auxiliary-loss-free balancing: a per-expert routing bias")
+    moe_router_bias_update_rate: float = _opt(1e-3, "step of the expert-bias update")
+    moe_expert_capacity_factor: float | None = _opt(None, "tokens per expert per sequence, x even share (unset: dropless)")
+    moe_token_drop_policy: str = _opt("probs", "which tokens an over-capacity expert keeps", ("probs", "position"))
+    moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks", ("alltoall", "allgather"))
+    moe_grouped_gemm: bool = _opt(False, "run the local experts as one grouped GEMM (else a loop over experts)")
     # ---- batch and optimizer ----
     micro_batch_size: int | None = _opt(None, "sequences per rank per micro-batch (default 1, or from --microbatches)")
     global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
@@ -151,9 +172,6 @@ _NOTED_WITH_VALUE = {"transformer_impl", "distributed_backend"}
 
 # Megatron flags for features other issues build: rejected with where they are planned.
 PLANNED_FLAGS = {
-    "num_experts": "mixture of experts",
-    "moe_router_topk": "mixture of experts",
-    "expert_model_parallel_size": "expert parallelism",
     "fp8_format": "FP8 (Transformer Engine)",
 }
 
@@ -206,6 +224,20 @@ def _preset(name: str) -> dict[str, Any]:
         "num_query_groups": c.n_kv_heads, "rotary_base": c.rope_theta, "use_rope_scaling": c.rope_scaling is not None,
         "norm_epsilon": c.norm_eps, "swiglu": True, "untie_embeddings_and_output_weights": not c.tie_embeddings,
     }
+    if c.moe is not None:
+        m = c.moe
+        pattern = "1" if not m.first_dense_layers else f"([0]*{m.first_dense_layers}+[1]*{c.n_layers - m.first_dense_layers})"
+        preset.update({
+            "num_experts": m.num_experts, "moe_router_topk": m.top_k, "moe_ffn_hidden_size": m.ffn_dim,
+            "moe_layer_freq": str(m.layer_freq) if not m.first_dense_layers else pattern,
+            "moe_shared_expert_intermediate_size": m.shared_expert_ffn_dim or None,
+            "moe_router_score_function": m.score_func, "moe_router_pre_softmax": m.pre_softmax,
+            "moe_router_topk_scaling_factor": m.route_scale if m.route_scale != 1.0 else None,
+            "moe_router_load_balancing_type": m.load_balancing, "moe_aux_loss_coeff": m.aux_loss_coeff,
+            "moe_z_loss_coeff": m.z_loss_coeff or None, "moe_router_enable_expert_bias": m.expert_bias,
+            "moe_router_bias_update_rate": m.bias_update_rate, "moe_expert_capacity_factor": m.capacity_factor,
+            "moe_token_drop_policy": m.token_drop_policy, "moe_grouped_gemm": m.grouped_gemm,
+        })
     return preset
 
 

@@ -29,8 +29,9 @@ def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
     non-embedding parameters (output layer included) + the attention scores and values,
     12 x layers x dim x seq (PaLM's accounting)."""
     embedding = config.vocab_size * config.dim
-    # The input lookup costs no FLOPs; a tied matrix still does the output projection.
-    dense = config.num_params() - (0 if config.tie_embeddings else embedding)
+    # The input lookup costs no FLOPs; a tied matrix still does the output projection. A token
+    # passes through its top-k experts only.
+    dense = config.num_active_params() - (0 if config.tie_embeddings else embedding)
     return 6.0 * dense + 12.0 * config.n_layers * config.dim * seq_length
 
 
@@ -78,8 +79,9 @@ class MetricsLogger:
     LIVE_ROWS = 15
 
     def __init__(self, *, leader: bool, tensorboard_dir: str | None, log_file: str | None, console: Console,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, columns: tuple[str, ...] | None = None):
         self.leader, self.console = leader, console
+        self.columns = columns or self.COLUMNS
         self.writer = self.jsonl = self.live = None
         self.rows: list[tuple[str, ...]] = []
         if leader and tensorboard_dir:
@@ -101,11 +103,14 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+                elif isinstance(value, dict):  # per-layer vectors (the MoE expert load): histograms
+                    for name, values in value.items():
+                        self.writer.add_histogram(f"{prefix}/{key}/{name}", torch.tensor(values), record["step"])
             self.writer.flush()
 
     def _table(self, rows: list[tuple[str, ...]] | None = None, header: bool = True) -> Table:
         table = Table(show_header=header, box=None, pad_edge=False)
-        for column in self.COLUMNS:
+        for column in self.columns:
             table.add_column(column, justify="right", width=max(11, len(column)))
         for row in rows if rows is not None else self.rows[-self.LIVE_ROWS:]:
             table.add_row(*row)
@@ -117,7 +122,7 @@ class MetricsLogger:
             return "-"
         if column == "lr":
             return f"{value:.3e}"
-        if column in ("loss", "grad_norm", "mfu", "tflops_per_device"):
+        if column in ("loss", "grad_norm", "mfu", "tflops_per_device", "moe_loss", "expert_load_max", "dropped"):
             return f"{value:.4f}"
         return f"{value:,.1f}" if isinstance(value, float) else str(value)
 
@@ -126,7 +131,7 @@ class MetricsLogger:
         if not self.leader:
             return
         self._write(record, "train")
-        row = tuple(self._cell(c, record.get(c)) for c in self.COLUMNS)
+        row = tuple(self._cell(c, record.get(c)) for c in self.columns)
         self.rows.append(row)
         if self.live:
             self.live.update(self._table())

@@ -10,8 +10,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtmega.data.tokenizers import TokenizerSpec
+import re
+
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
-from dtmega.passes import ContextParallel, DataParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel, TensorParallel
+from dtmega.models.moe_config import MoEConfig
+from dtmega.passes import (
+    ContextParallel, DataParallel, ExpertParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel,
+    TensorParallel,
+)
 from dtmega.train.args import ArgumentError, TrainArgs
 
 
@@ -23,9 +29,10 @@ class RunShape:
     tp: int
     pp: int
     cp: int
-    dp: int
+    dp: int  # data-parallel ranks (the batch splits over them), ep included
     dp_replicate: int
     dp_shard: int
+    ep: int
     micro_batch: int
     global_batch: int
     accumulation: int
@@ -79,6 +86,14 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
             f"--microbatches {counted} disagrees with --global-batch-size {global_batch} / (--micro-batch-size {micro} "
             f"x data-parallel size {dp}) = {global_batch // (micro * dp)}; give one of them"
         )
+    ep = args.expert_model_parallel_size
+    if ep < 1 or dp % ep:
+        raise ArgumentError(
+            f"--expert-model-parallel-size {ep}: expert parallelism borrows data-parallel ranks, and the data-parallel "
+            f"size is {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp})). Fix: an EP size that divides {dp}"
+        )
+    if ep > 1 and not args.num_experts:
+        raise ArgumentError("--expert-model-parallel-size > 1 needs a mixture-of-experts model (--num-experts)")
     mode = data_parallel_mode(args)
     shard = dp
     replicate = 1
@@ -86,13 +101,18 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
         replicate, shard = dp, 1
     elif mode == "hsdp":
         shard = args.data_parallel_shard_size or 0
-        if shard < 1 or dp % shard or shard == dp:
+        if shard < 1 or dp % shard or shard == dp or shard % ep:
             raise ArgumentError(
                 f"--data-parallel hsdp needs --data-parallel-shard-size dividing the data-parallel size {dp} "
-                "(and smaller than it)"
+                f"(and smaller than it), and divisible by --expert-model-parallel-size {ep}"
             )
         replicate = dp // shard
-    return RunShape(world, tp, pp, cp, dp, replicate, shard, micro, global_batch, global_batch // (micro * dp))
+    # The mesh's ep axis is carved out of the data-parallel ranks that shard (or replicate).
+    if mode == "ddp":
+        replicate //= ep
+    else:
+        shard //= ep
+    return RunShape(world, tp, pp, cp, dp, replicate, shard, ep, micro, global_batch, global_batch // (micro * dp))
 
 
 def data_parallel_mode(args: TrainArgs) -> str:
@@ -127,9 +147,48 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
             rope_theta=args.rotary_base, rope_scaling=RopeScaling() if args.use_rope_scaling else None,
             max_seq_len=args.max_position_embeddings or args.seq_length,
             tie_embeddings=not args.untie_embeddings_and_output_weights, init_std=args.init_method_std,
+            moe=moe_config(args, ffn),
         )
     except ValueError as error:
         raise ArgumentError(str(error)) from None
+
+
+MOE_FLAGS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
+             "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_router_enable_expert_bias", "moe_grouped_gemm",
+             "moe_router_pre_softmax", "moe_aux_loss_coeff")
+
+
+def _layer_pattern(text: str, n_layers: int) -> tuple[int, int]:
+    """--moe-layer-freq as (first dense blocks, frequency): 'k', or '([0]*K+[1]*M)' with K+M blocks."""
+    if text.strip().isdigit():
+        return 0, int(text)
+    match = re.fullmatch(r"\(?\s*\[0\]\s*\*\s*(\d+)\s*\+\s*\[1\]\s*\*\s*(\d+)\s*\)?", text.strip())
+    if not match or int(match.group(1)) + int(match.group(2)) != n_layers:
+        raise ArgumentError(
+            f"--moe-layer-freq {text!r}: use an integer k (every k-th block) or '([0]*K+[1]*M)' (K dense blocks, "
+            f"then M MoE blocks, K+M = --num-layers {n_layers})"
+        )
+    return int(match.group(1)), 1
+
+
+def moe_config(args: TrainArgs, ffn: int) -> MoEConfig | None:
+    """The MoE options (Megatron's --moe-* flags), or None for a dense model."""
+    if not args.num_experts:
+        given = [f"--{name.replace('_', '-')}" for name in MOE_FLAGS if getattr(args, name)]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} need(s) --num-experts (a mixture-of-experts model)")
+        return None
+    first_dense, freq = _layer_pattern(args.moe_layer_freq, args.num_layers)
+    return MoEConfig(
+        num_experts=args.num_experts, top_k=args.moe_router_topk, ffn_dim=args.moe_ffn_hidden_size or ffn,
+        layer_freq=freq, first_dense_layers=first_dense,
+        shared_expert_ffn_dim=args.moe_shared_expert_intermediate_size or 0, score_func=args.moe_router_score_function,
+        pre_softmax=args.moe_router_pre_softmax, route_scale=args.moe_router_topk_scaling_factor or 1.0,
+        load_balancing=args.moe_router_load_balancing_type, aux_loss_coeff=args.moe_aux_loss_coeff,
+        z_loss_coeff=args.moe_z_loss_coeff or 0.0, expert_bias=args.moe_router_enable_expert_bias,
+        bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
+        token_drop_policy=args.moe_token_drop_policy, grouped_gemm=args.moe_grouped_gemm,
+    )
 
 
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
@@ -144,6 +203,15 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     if shape.cp > 1:
         method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[args.cp_comm_type]
         passes.append(ContextParallel(method=method))
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != shape.tp:
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size {etp}: the experts' hidden dim is split over the tensor-parallel ranks, "
+            f"so ETP equals TP ({shape.tp}) here (ETP < TP, Megatron's parallel folding, is not supported yet). "
+            "Fix: leave it unset"
+        )
+    if shape.ep > 1:
+        passes.append(ExpertParallel(dispatcher=args.moe_token_dispatcher_type))
     if args.recompute_granularity == "selective":
         passes.append(Recompute("selective"))
     elif args.recompute_granularity == "full":
@@ -214,4 +282,6 @@ def config_from_dict(data: dict) -> LlamaConfig:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    if data.get("moe") is not None:
+        data["moe"] = MoEConfig(**data["moe"])
     return LlamaConfig(**data)

@@ -119,8 +119,8 @@ class Trainer:
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
         self.mesh = dtmega.make_mesh(
-            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, cp=self.shape.cp,
-            tp=self.shape.tp, device_type=self.device_type,
+            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, ep=self.shape.ep,
+            cp=self.shape.cp, tp=self.shape.tp, device_type=self.device_type,
         )
         with torch.device("meta"):
             model = Llama(self.config)
@@ -152,8 +152,10 @@ class Trainer:
         )
         self.flops_per_token = flops_per_token(self.config, args.seq_length)
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
+        moe_columns = ("moe_loss", "expert_load_max", "dropped") if self.pm.moe else ()
         self.logger = MetricsLogger(leader=self.leader, tensorboard_dir=args.tensorboard_dir,
-                                    log_file=args.log_file, console=self.console)
+                                    log_file=args.log_file, console=self.console,
+                                    columns=MetricsLogger.COLUMNS + moe_columns)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, batch) -> tuple[float, float, bool]:
@@ -173,6 +175,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.schedule(self.iteration + 1)
             self.optimizer.step()
+            self.pm.update_expert_bias()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss), grad_norm, overflow
 
@@ -198,27 +201,43 @@ class Trainer:
         result.validation.append((self.iteration, loss))
         self.logger.log_validation(self.iteration, loss)
 
+    def _moe_metrics(self, moe_losses: list[float]) -> dict:
+        """Balancing loss, per-expert load (share of routed assignments per layer) and dropped
+        fraction over the logging window; empty for a dense model."""
+        if not self.pm.moe:
+            return {}
+        stats = self.pm.moe_stats()
+        loads = stats["expert_load"]
+        experts = len(next(iter(loads.values()))) if loads else 1
+        # The busiest expert's share relative to an even share (1.0 = perfectly balanced).
+        peak = max((max(load) * experts for load in loads.values()), default=None)
+        return {"moe_loss": sum(moe_losses) / len(moe_losses), "expert_load_max": peak,
+                "dropped": stats["dropped_fraction"], "expert_load": loads}
+
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
         args, shape = self.args, self.shape
         result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
         self.console.print(self.pm.report())
         self.console.print(
-            f"{self.config.num_params():,} parameters | world {shape.world} = PP {shape.pp} x DP {shape.dp} x CP {shape.cp} "
-            f"x TP {shape.tp} | "
+            f"{self.config.num_params():,} parameters"
+            + (f" ({self.config.num_active_params():,} active per token)" if self.config.moe else "")
+            + f" | world {shape.world} = PP {shape.pp} x DP {shape.dp} x CP {shape.cp} x TP {shape.tp}"
+            + (f" (EP {shape.ep} of the DP ranks)" if shape.ep > 1 else "") + " | "
             f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
             f"{shape.accumulation} | {args.seq_length} tokens/sample | MFU peak: {self.peak_source}"
         )
         if self.unigram_entropy is not None:
             self.console.print(f"unigram entropy of the data: {self.unigram_entropy:.3f} nats/token")
         window_losses, window_start, skipped = [], time.perf_counter(), 0
-        window_steps = 0
+        window_steps, window_moe = 0, []
         while self.iteration < args.train_iters:
             batch = next(self.loader).to(self.device_type)
             loss, grad_norm, overflow = self.step(batch)
             self.iteration += 1
             result.losses.append(loss)
             window_losses.append(loss)
+            window_moe.append(self.pm.last_moe_loss)
             window_steps += 1
             skipped += int(overflow)
             last = self.iteration == args.train_iters
@@ -236,8 +255,9 @@ class Trainer:
                     "memory_gib": memory_gib(self.device_type), "skipped_steps": skipped,
                     "consumed_samples": self.loader.consumed_samples,
                     **({"loss_scale": self.scaler.scale} if self.scaler else {}),
+                    **self._moe_metrics(window_moe),
                 })
-                window_losses, window_steps, window_start = [], 0, time.perf_counter()
+                window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
             if self.iteration % args.eval_interval == 0 or last:
                 self.validate(result)
             if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last):

@@ -4,6 +4,7 @@ mixed precision."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -154,3 +155,32 @@ def test_context_parallel_training_matches_data_parallel_training(corpus, comm):
     errors = [relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(result.losses, reference.losses)]
     assert max(errors) < 1e-5, errors
     assert abs(result.validation[-1][1] - reference.validation[-1][1]) / reference.validation[-1][1] < 1e-5
+
+
+def test_moe_training_with_expert_parallelism_matches_data_parallel_training(corpus, shared_dir):
+    """EP2 x FSDP2 equals FSDP4 step for step (balancing losses and expert-bias steps included),
+    its checkpoint resumes under FSDP4 as FSDP4's own does, and the expert load reaches
+    metrics.jsonl and TensorBoard."""
+    log, board = shared_dir / "moe" / "metrics.jsonl", shared_dir / "moe" / "tb"
+    saves = {name: shared_dir / "moe" / name for name in ("fsdp4", "ep2")}
+    common = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2,
+                  moe_z_loss_coeff=1e-3, moe_router_enable_expert_bias=True, moe_grouped_gemm=True, train_iters=6,
+                  use_distributed_optimizer=True, eval_interval=6, log_interval=3)
+    reference = train(tiny_args(corpus, save=saves["fsdp4"], **common))
+    result = train(tiny_args(corpus, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                             log_file=str(log), tensorboard_dir=str(board), save=saves["ep2"], **common))
+    errors = [relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(result.losses, reference.losses)]
+    assert len(errors) == 6 and max(errors) < 1e-5, errors
+    resumed = {name: train(tiny_args(corpus, load=path, **{**common, "train_iters": 8})).losses
+               for name, path in saves.items()}
+    assert len(resumed["ep2"]) == 2
+    assert max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(*resumed.values())) < 1e-5
+    if dist.get_rank() == 0:
+        records = [json.loads(line) for line in log.read_text().splitlines() if '"loss"' in line]
+        assert [r["step"] for r in records] == [3, 6]
+        for record in records:
+            assert record["moe_loss"] > 0 and record["dropped"] == 0 and record["expert_load_max"] >= 1
+            loads = record["expert_load"]
+            assert sorted(loads) == ["layers.0.feed_forward", "layers.1.feed_forward"]
+            assert all(len(load) == 4 and abs(sum(load) - 1) < 1e-6 for load in loads.values())
+        assert list(board.glob("events.out.tfevents.*"))

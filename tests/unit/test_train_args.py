@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dtmega.models import LlamaConfig
 from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
 from dtmega.train.args import ArgumentError, parse_train_args
 from dtmega.train.setup import build_plan, model_config, padded_vocab, reject_unsupported, run_shape
@@ -49,8 +50,8 @@ def test_toml_then_flags_override(tmp_path):
 
 
 def test_planned_and_unsupported_features_are_refused():
-    with pytest.raises(ArgumentError, match="--num-experts: mixture of experts is not supported yet"):
-        parse_train_args(["--num-experts", "8"])
+    with pytest.raises(ArgumentError, match="--fp8-format: FP8"):
+        parse_train_args(["--fp8-format", "hybrid"])
     for flags, message in [
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
         (["--normalization", "LayerNorm"], "only RMSNorm"),
@@ -124,3 +125,51 @@ def test_microbatches_flag_sets_or_checks_the_micro_batch():
     args, _ = parse_train_args(["--pipeline-schedule", "zbv"])
     with pytest.raises(ArgumentError, match="need --pipeline-model-parallel-size > 1"):
         build_plan(args, run_shape(args, 1), 4)
+
+
+def test_moe_flags_build_the_model_and_the_expert_parallel_pass():
+    from dtmega.passes import ExpertParallel, TensorParallel
+
+    args, _ = parse_train_args([
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--num-experts", "8",
+        "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "([0]*1+[1]*3)",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor",
+        "1.5", "--moe-token-drop-policy", "position", "--moe-token-dispatcher-type", "alltoall",
+        "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+        "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "48",
+    ])
+    config = model_config(args, 256)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.ffn_dim, moe.first_dense_layers, moe.layer_freq) == (8, 2, 32, 1, 1)
+    assert (moe.load_balancing, moe.aux_loss_coeff, moe.z_loss_coeff, moe.score_func) == ("seq_aux_loss", 1e-3, 1e-4, "sigmoid")
+    assert moe.expert_bias and moe.capacity_factor == 1.5 and moe.token_drop_policy == "position"
+    assert moe.grouped_gemm and moe.shared_expert_ffn_dim == 48
+    shape = run_shape(args, world=8)
+    assert (shape.dp, shape.ep, shape.dp_shard, shape.tp) == (4, 2, 2, 2)
+    plan = list(build_plan(args, shape, 4))
+    assert [type(p).__name__ for p in plan] == ["TensorParallel", "ExpertParallel", "DataParallel"]
+    assert isinstance(plan[1], ExpertParallel) and plan[1].dispatcher == "alltoall" and isinstance(plan[0], TensorParallel)
+
+
+def test_moe_presets_and_errors():
+    args, _ = parse_train_args(["--model", "mixtral-8x7b"])
+    assert model_config(args, 32000).moe == LlamaConfig.from_name("mixtral-8x7b").moe
+    args, _ = parse_train_args(["--model", "deepseek-v3-small"])
+    assert model_config(args, 32768).moe == LlamaConfig.from_name("deepseek-v3-small").moe
+    with pytest.raises(ArgumentError, match="expert parallelism borrows data-parallel ranks, and the data-parallel size is 2"):
+        run_shape(parse_train_args(["--num-experts", "8", "--expert-model-parallel-size", "4",
+                                    "--tensor-model-parallel-size", "2"])[0], world=4)
+    with pytest.raises(ArgumentError, match="--moe-expert-capacity-factor need.* --num-experts"):
+        model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+                                       "--moe-expert-capacity-factor", "1.0"])[0], 256)
+    with pytest.raises(ArgumentError, match="--moe-layer-freq '\\[1,0\\]'"):
+        model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+                                       "--num-experts", "4", "--moe-layer-freq", "[1,0]"])[0], 256)
+    with pytest.raises(ArgumentError, match="top_k=5 must be between 1 and num_experts=4"):
+        model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+                                       "--num-experts", "4", "--moe-router-topk", "5"])[0], 256)
+    args, _ = parse_train_args(["--num-experts", "8", "--tensor-model-parallel-size", "2",
+                                "--expert-tensor-parallel-size", "1"])
+    with pytest.raises(ArgumentError, match="ETP equals TP"):
+        build_plan(args, run_shape(args, world=4), 4)

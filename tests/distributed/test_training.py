@@ -175,6 +175,12 @@ def test_moe_training_with_expert_parallelism_matches_data_parallel_training(cor
                for name, path in saves.items()}
     assert len(resumed["ep2"]) == 2
     assert max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(*resumed.values())) < 1e-5
+    texts = []
+    for sizes in (dict(tp=1), dict(tp=2)):  # generation from the EP checkpoint, with the experts under TP too
+        pm, tokenizer, state = restore(saves["ep2"], tp=sizes["tp"], mesh=mesh(**sizes))
+        assert state["model_config"]["moe"]["num_experts"] == 4
+        texts.append(generate(pm.module, tokenizer, "The lord", max_new_tokens=16, temperature=0.0))
+    assert texts[0] == texts[1] and len(texts[0]) > 0
     if dist.get_rank() == 0:
         records = [json.loads(line) for line in log.read_text().splitlines() if '"loss"' in line]
         assert [r["step"] for r in records] == [3, 6]

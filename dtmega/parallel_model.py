@@ -282,7 +282,8 @@ class ParallelModel:
         embedding, invalid tangents in backward), while per-block graphs are stable. For the
         same reason tensor parallelism needs SequenceParallel here: compiled TP blocks with
         replicated activations crash in backward for some shapes. Shapes are static unless
-        `dynamic` is given (training shapes are fixed).
+        `dynamic` is given (training shapes are fixed), except in MoE models, where Dynamo's
+        automatic dynamic shapes cover the changing number of tokens per expert.
         """
         has_tp = any(e.style in TP_STYLES for e in self.layout.modules.values())
         has_sp = any(e.style == "sequence_norm" for e in self.layout.modules.values())
@@ -292,7 +293,9 @@ class ParallelModel:
                 "2.13 compiled TP blocks with replicated activations crash in backward for some "
                 "shapes. Fix: add SequenceParallel() after TensorParallel(), or run without compile"
             )
-        kwargs.setdefault("dynamic", False)
+        # Training shapes are fixed, except the tokens each expert gets: MoE blocks let Dynamo
+        # mark the sizes that change dynamic after the first recompile.
+        kwargs.setdefault("dynamic", None if self.moe else False)
         for fqn in self.program.blocks():
             self.program.module(fqn).compile(**kwargs)
             self.layout[fqn].kernel = f"compiled ({kwargs.get('backend', 'inductor')})"

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py              # TP2 x FSDP2 on CPU
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --cp 2 --cp-method ring --seq-len 256
+    torchrun --nproc-per-node 4 examples/train_llama.py --model debug-moe --tp 1 --ep 2 --dispatcher alltoall
     torchrun --nproc-per-node 8 examples/train_llama.py --tp 4 --model llama3-8b --compile inductor
 
 The data is synthetic but learnable: token streams from a fixed random Markov chain, so the
@@ -21,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dtmega
 from dtmega.models import Llama, LlamaConfig
-from dtmega.passes import ContextParallel, DataParallel, Plan, SequenceParallel, TensorParallel
+from dtmega.passes import ContextParallel, DataParallel, ExpertParallel, Plan, SequenceParallel, TensorParallel
 
 
 def markov_batch(batch: int, seq: int, vocab: int, step: int, successors: int = 4) -> dict:
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (the rest is FSDP)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: every sequence split over this many ranks")
     p.add_argument("--cp-method", default="ring", choices=["ring", "all_gather", "a2a"])
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models: debug-moe, mixtral-8x7b, ...)")
+    p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "allgather"], help="MoE token dispatch")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=64)
@@ -54,14 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[float]:
     """Trains and returns the loss of every step."""
     args = parse_args(argv)
-    mesh = dtmega.make_mesh(tp=args.tp, cp=args.cp)
+    mesh = dtmega.make_mesh(tp=args.tp, cp=args.cp, ep=args.ep)
     config = LlamaConfig.from_name(args.model)
     with torch.device("meta"):
         model = Llama(config)
     plan = Plan([
-        TensorParallel(),
-        SequenceParallel(),
+        *([TensorParallel(), SequenceParallel()] if args.tp > 1 else []),
         *([ContextParallel(method=args.cp_method)] if args.cp > 1 else []),
+        *([ExpertParallel(dispatcher=args.dispatcher)] if args.ep > 1 else []),
         DataParallel("fsdp", param_dtype="bfloat16" if args.bf16 else "float32"),
     ])
     pm = dtmega.parallelize(model, mesh, plan)
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             optimizer.zero_grad()
             loss = pm.forward_backward(pm.shard_batch(batch))
             optimizer.step()
+            pm.update_expert_bias()  # MoE auxiliary-loss-free balancing; a no-op otherwise
             schedule.step()
             losses.append(loss.item())
             progress.update(task, advance=1, loss=f"{losses[-1]:.3f}")

@@ -44,16 +44,27 @@ def _(x, weight, offsets):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
+@torch.library.custom_op("dtmega::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[0] == 0:  # no token reached these experts
+        return torch.zeros_like(x), torch.zeros_like(weight)
+    grad = grad.contiguous()  # the CPU kernel rejects broadcast (zero-stride) gradients
+    grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+    # [E, out, in] = per expert grad_rows^T @ x_rows: a grouped GEMM over the token dim.
+    grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+    return grad_x, grad_w
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, weight, offsets):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
 def _grouped_mm_backward(ctx, grad):
     x, weight, offsets = ctx.saved_tensors
-    if x.shape[0] == 0:  # no token reached these experts
-        return torch.zeros_like(x), torch.zeros_like(weight), None
-    grad = grad.contiguous()  # the CPU kernel rejects broadcast (zero-stride) gradients
-    grad_x = torch._grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-    grad_w = None
-    if ctx.needs_input_grad[1]:
-        # [E, out, in] = per expert grad_rows^T @ x_rows: a grouped GEMM over the token dim.
-        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+    grad_x, grad_w = torch.ops.dtmega.grouped_mm_backward(grad, x, weight, offsets)
     return grad_x, grad_w, None
 
 

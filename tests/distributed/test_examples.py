@@ -22,6 +22,11 @@ def test_train_llama_with_context_parallelism_loss_falls():
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+def test_train_llama_moe_with_expert_parallelism_compiled_loss_falls():
+    losses = train_llama(["--steps", "20", "--model", "debug-moe", "--tp", "1", "--ep", "2", "--compile", "aot_eager"])
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
 def test_custom_pass_matches_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=12)
     pm = dtmega.parallelize(meta_copy(), mesh(tp=2), dtmega.Plan([MLPTensorParallel()]))

@@ -116,3 +116,11 @@ def test_fewer_local_experts_than_fsdp_ranks_shard_another_dim():
                         seq_len=16)
     assert pm.layout["layers.0.feed_forward.experts"].params["w1"].placements == {"ep": "S(0)", "dp_shard": "S(1)"}
     assert_close_to_reference(result)
+
+
+def test_compiled_moe_blocks_match_unsharded():
+    reference, meta_copy = build_dtmega_llama(moe_llama(), seed=36)
+    pm = dtmega.parallelize(meta_copy(), mesh(ep=2), [ExpertParallel(), DataParallel("fsdp")])
+    pm.init_weights(seed=36)
+    pm.compile(backend="aot_eager")
+    assert_close_to_reference(compare_training(reference, pm, steps=2, seq_len=16))

@@ -49,3 +49,19 @@ def run_measured(command: list[str], **kwargs) -> tuple[subprocess.CompletedProc
     seconds = time.perf_counter() - start
     watcher.join()
     return subprocess.CompletedProcess(command, process.returncode, out, err), seconds, peak[0]
+
+
+def run_on_ranks(script: str, ranks: int, out: Path, *args: str) -> list:
+    """Runs `script --worker-out OUT ARGS` as a torchrun job of `ranks` CPU ranks and returns
+    the JSON rows its rank 0 wrote to OUT."""
+    import json
+    import sys
+
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), script,
+               "--worker-out", str(out), *args]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    rows = json.loads(out.read_text())
+    out.unlink()
+    return rows

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, run_on_ranks  # noqa: E402
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 8, 4, 2, 512
 
@@ -126,15 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for cp in args.cp:
-        part = args.out.with_suffix(f".cp{cp}.json")
-        command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(cp), __file__,
-                   "--worker-out", str(part), "--seq", str(args.seq), "--steps", str(args.steps),
-                   "--methods", *args.methods]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode:
-            raise RuntimeError(done.stderr[-3000:])
-        rows += json.loads(part.read_text())
-        part.unlink()
+        rows += run_on_ranks(__file__, cp, args.out.with_suffix(f".cp{cp}.json"), "--seq", str(args.seq),
+                             "--steps", str(args.steps), "--methods", *args.methods)
     result = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine(), "runs": rows}
     args.out.write_text(json.dumps(result, indent=2))
     table = Table(title=f"context parallelism, one sequence of {args.seq} tokens, {LAYERS} blocks x width {DIM}")

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, run_on_ranks  # noqa: E402
 from benchmarks.context import saved_activation_bytes  # noqa: E402
 
 DIM, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 256, 4, 8, 8, 2, 512, 512
@@ -126,15 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ep in args.ep:
-        part = args.out.with_suffix(f".ep{ep}.json")
-        command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ep), __file__,
-                   "--worker-out", str(part), "--seq", str(args.seq), "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--dispatchers", *args.dispatchers]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode:
-            raise RuntimeError(done.stderr[-3000:])
-        rows += json.loads(part.read_text())
-        part.unlink()
+        rows += run_on_ranks(__file__, ep, args.out.with_suffix(f".ep{ep}.json"), "--seq", str(args.seq),
+                             "--batch", str(args.batch), "--steps", str(args.steps), "--dispatchers", *args.dispatchers)
     result = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine(), "runs": rows}
     args.out.write_text(json.dumps(result, indent=2))
     table = Table(title=f"MoE, {LAYERS} blocks x width {DIM}, {EXPERTS} experts top-{TOP_K}, {args.batch} x {args.seq} "

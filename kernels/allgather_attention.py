@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dtmega.kernels.attention_blocks import attend, attend_backward, visible_block
-from dtmega.kernels.context_shards import CommStats, token_indices
+from dtmega.kernels.context_shards import token_indices
 
 
 def _blocks(kv: torch.Tensor, gathered: torch.Tensor, pending, positions, rank: int, causal: bool):

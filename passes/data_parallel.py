@@ -59,7 +59,7 @@ class DataParallel(Pass):
 
     def annotate(self, program: Program) -> None:
         replicas = program.axis_size("dp_replicate")
-        shards = program.axis_size("dp_shard")
+        program.axis_size("dp_shard")  # the mesh must have it
         if self.mode == "fsdp" and replicas > 1:
             raise PlanError(
                 f"DataParallel(mode='fsdp') shards over dp_shard only, but the mesh has dp_replicate="

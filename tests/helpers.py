@@ -166,6 +166,13 @@ def assert_close_to_reference(result: Comparison) -> None:
     assert result.param <= PARAM_RTOL, f"parameter relative error {result.param:.2e} > {PARAM_RTOL}"
 
 
+def mesh_shape(**sizes: int) -> dict[str, int]:
+    """A mesh shape for checking plans without a process group: every axis, size 1 unless given."""
+    from dtmega.mesh import AXES
+
+    return {axis: sizes.get(axis, 1) for axis in AXES}
+
+
 _MESHES: dict = {}
 
 

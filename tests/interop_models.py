@@ -15,6 +15,11 @@ def torchtitan_debug_llama(seed: int = 0) -> nn.Module:
     config = llama3_configs["debugmodel"](attn_backend="flex")
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return _build_torchtitan(config, seed)
+
+
+def _build_torchtitan(config, seed: int) -> nn.Module:
+    """A torchtitan model from its config, initialized as torchtitan does, on the CPU."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = config.build()
@@ -58,13 +63,7 @@ def torchtitan_tiny_moe(seed: int = 0) -> nn.Module:
         tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=256, embedding_dim=64),
         lm_head=dataclasses.replace(base.lm_head, in_features=64, out_features=256),
     )
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
-    return model
+    return _build_torchtitan(config, seed)
 
 
 def hf_tiny_mixtral(seed: int = 0) -> nn.Module:

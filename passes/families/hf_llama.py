@@ -13,7 +13,8 @@ def _matches(model: nn.Module) -> bool:
     return is_class(model, "transformers", "LlamaForCausalLM")
 
 
-def _describe(model: nn.Module) -> ModelFacts:
+def describe_hf_decoder(model: nn.Module) -> ModelFacts:
+    """Shape facts of a Hugging Face Llama-style decoder (`model.layers`, `lm_head`)."""
     config = model.config
     return ModelFacts(
         family="hf-llama",
@@ -38,7 +39,7 @@ HF_LLAMA = register_family(
     ModelFamily(
         name="hf-llama",
         matches=_matches,
-        describe=_describe,
+        describe=describe_hf_decoder,
         tp_rules=(
             Rule("model.embed_tokens", "embedding"),
             Rule("model.layers.*.self_attn.q_proj", "colwise"),

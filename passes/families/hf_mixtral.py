@@ -4,13 +4,15 @@ routed tokens and runs the local experts as one grouped GEMM."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtmega.kernels.grouped_gemm import grouped_mm
 from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, is_class, register_family
-from dtmega.passes.families.hf_llama import _logits
+from dtmega.passes.families.hf_llama import _logits, describe_hf_decoder
 
 IMPLEMENTATION = "dtmega_expert_parallel"
 
@@ -21,28 +23,11 @@ def _matches(model: nn.Module) -> bool:
 
 def _describe(model: nn.Module) -> ModelFacts:
     config = model.config
-    layers = range(len(model.model.layers))
-    return ModelFacts(
-        family="hf-mixtral",
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        dim=config.hidden_size,
-        ffn_dim=config.intermediate_size,
-        blocks=tuple(f"model.layers.{i}" for i in layers),
-        embedding="model.embed_tokens",
-        output="lm_head",
-        final_norm="model.norm",
-        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        moe=MoEFacts(
-            layers=tuple(f"model.layers.{i}.mlp" for i in layers),
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            router="gate",
-            experts="experts",
-            expert_params=("gate_up_proj", "down_proj"),
-        ),
-    )
+    return dataclasses.replace(describe_hf_decoder(model), family="hf-mixtral", moe=MoEFacts(
+        layers=tuple(f"model.layers.{i}.mlp" for i in range(len(model.model.layers))),
+        num_experts=config.num_local_experts, top_k=config.num_experts_per_tok, router="gate", experts="experts",
+        expert_params=("gate_up_proj", "down_proj"),
+    ))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,7 @@ from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import (
     ContextParallel, DataParallel, ExpertParallel, Plan, PlanError, SequenceParallel, TensorParallel,
 )
-
-
-def shape(**sizes):
-    base = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "ep": 1, "cp": 1, "tp": 1}
-    base.update(sizes)
-    return base
+from tests.helpers import mesh_shape
 
 
 def llama(name: str = "debug-moe", **moe):
@@ -29,7 +24,7 @@ def llama(name: str = "debug-moe", **moe):
 
 
 def test_layout_of_expert_and_data_parallelism():
-    lay = dtmega.check_plan(llama(), shape(ep=2, dp_shard=2), Plan([ExpertParallel(), DataParallel("fsdp")]))
+    lay = dtmega.check_plan(llama(), mesh_shape(ep=2, dp_shard=2), Plan([ExpertParallel(), DataParallel("fsdp")]))
     experts = lay["layers.0.feed_forward.experts"]
     assert experts.kernel == "expert_parallel(alltoall)" and experts.wrap == "fsdp"
     # experts: split over ep, FSDP over the ranks holding the same experts; dense: FSDP over all four
@@ -42,7 +37,7 @@ def test_mixtral_8x7b_on_64_simulated_ranks():
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name("mixtral-8x7b"))
     plan = Plan([TensorParallel(), SequenceParallel(), ExpertParallel(), DataParallel("fsdp", param_dtype="bfloat16")])
-    lay = dtmega.check_plan(model, shape(tp=2, ep=8, dp_shard=4), plan)
+    lay = dtmega.check_plan(model, mesh_shape(tp=2, ep=8, dp_shard=4), plan)
     # One expert per ep rank, its hidden dim split over tp, FSDP over 4 ranks on the model dim.
     assert lay["layers.0.feed_forward.experts"].params["w1"].placements == {"tp": "S(1)", "ep": "S(0)", "dp_shard": "S(2)"}
     experts = 3 * 4096 * 14336 * 8 // (8 * 2 * 4)
@@ -60,28 +55,28 @@ def test_mixtral_8x7b_on_64_simulated_ranks():
 ])
 def test_plan_errors(plan, sizes, message):
     with pytest.raises(PlanError, match=message):
-        dtmega.check_plan(llama(), shape(**sizes), Plan(plan))
+        dtmega.check_plan(llama(), mesh_shape(**sizes), Plan(plan))
 
 
 def test_a_model_whose_router_cannot_be_found():
     with pytest.raises(PlanError, match="cannot find the router and experts of Llama: its family .* names no mixture"):
-        dtmega.check_plan(llama("debug"), shape(ep=2), Plan([ExpertParallel(), DataParallel()]))
+        dtmega.check_plan(llama("debug"), mesh_shape(ep=2), Plan([ExpertParallel(), DataParallel()]))
     with pytest.raises(PlanError, match="cannot find the router and experts of Sequential: no registered model family"):
-        dtmega.check_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), shape(ep=2), Plan([ExpertParallel(), DataParallel()]))
+        dtmega.check_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh_shape(ep=2), Plan([ExpertParallel(), DataParallel()]))
 
 
 def test_token_dropping_needs_whole_sequences():
     with pytest.raises(PlanError, match="drop tokens above capacity per sequence .* but ContextParallel splits them"):
-        dtmega.check_plan(llama(capacity_factor=1.0), shape(cp=2), Plan([ContextParallel(), DataParallel()]))
+        dtmega.check_plan(llama(capacity_factor=1.0), mesh_shape(cp=2), Plan([ContextParallel(), DataParallel()]))
 
 
 def test_tensor_parallelism_of_other_libraries_moe_layers_is_refused():
     from tests.interop_models import hf_tiny_mixtral
 
     with pytest.raises(PlanError, match="does not shard the mixture-of-experts layers of hf-mixtral models yet"):
-        dtmega.check_plan(hf_tiny_mixtral(), shape(tp=2), Plan([TensorParallel()]))
+        dtmega.check_plan(hf_tiny_mixtral(), mesh_shape(tp=2), Plan([TensorParallel()]))
 
 
 def test_expert_hidden_size_must_split_over_tp():
     with pytest.raises(PlanError, match=r"expert hidden size \(moe ffn_dim\)=30 is not divisible by tp=4"):
-        dtmega.check_plan(llama(ffn_dim=30), shape(tp=4), Plan([TensorParallel()]))
+        dtmega.check_plan(llama(ffn_dim=30), mesh_shape(tp=4), Plan([TensorParallel()]))

@@ -12,12 +12,7 @@ import torch
 import dtmega
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import DataParallel, Layout, PipelineSplit, Plan, PlanError, SequenceParallel, TensorParallel
-
-
-def shape(**sizes):
-    base = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
-    base.update(sizes)
-    return base
+from tests.helpers import mesh_shape
 
 
 def llama(**overrides):
@@ -26,7 +21,7 @@ def llama(**overrides):
 
 
 def check(model, sizes, passes):
-    return dtmega.check_plan(model, shape(**sizes), Plan(passes))
+    return dtmega.check_plan(model, mesh_shape(**sizes), Plan(passes))
 
 
 def test_even_and_virtual_assignment():
@@ -112,7 +107,7 @@ def test_llama3_405b_tp8_pp8_dp2_in_seconds():
     # 126 blocks + embedding + loss = 128 slots: 16 per stage, Llama 3 405B's own split.
     plan = Plan([TensorParallel(), SequenceParallel(), PipelineSplit(microbatches=16, count_embedding=True,
                                                                       count_loss=True), DataParallel("fsdp")])
-    lay = dtmega.check_plan(model, shape(pp=8, dp_shard=2, tp=8), plan)
+    lay = dtmega.check_plan(model, mesh_shape(pp=8, dp_shard=2, tp=8), plan)
     assert time.perf_counter() - start < 30
     embedding = config.vocab_size * config.dim
     block = (config.num_params() - 2 * embedding - config.dim) // config.n_layers

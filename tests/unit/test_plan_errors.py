@@ -10,12 +10,7 @@ import dtmega
 from dtmega.mesh import resolve_mesh_sizes
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import DataParallel, Plan, PlanError, Recompute, Rule, SequenceParallel, TensorParallel
-
-
-def mesh(**sizes):
-    shape = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
-    shape.update(sizes)
-    return shape
+from tests.helpers import mesh_shape
 
 
 def meta_llama(**overrides):
@@ -24,7 +19,7 @@ def meta_llama(**overrides):
 
 
 def check(model, sizes, passes):
-    return dtmega.check_plan(model, mesh(**sizes), Plan(passes))
+    return dtmega.check_plan(model, mesh_shape(**sizes), Plan(passes))
 
 
 def test_heads_not_divisible_by_tp():

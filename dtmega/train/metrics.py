@@ -146,6 +146,23 @@ class MetricsLogger:
         self._write(record, "valid")
         self.event(f"step {step}: validation loss {loss:.4f}, perplexity {record['val_ppl']:.2f}")
 
+    def log_expert_load(self, step: int, loads: dict[str, list[float]]) -> None:
+        """A table of each MoE layer's per-expert load, as a multiple of an even share (1.00 =
+        balanced); with many experts, each layer's least, median and most loaded expert."""
+        if not self.leader or not loads:
+            return
+        experts = len(next(iter(loads.values())))
+        few = experts <= 16
+        table = Table(title=f"step {step}: expert load (x even share)", box=None, pad_edge=False, title_justify="left")
+        table.add_column("layer")
+        for column in ([f"e{i}" for i in range(experts)] if few else ["least", "median", "most"]):
+            table.add_column(column, justify="right")
+        for layer, load in loads.items():
+            shares = [value * experts for value in load]
+            cells = shares if few else [min(shares), sorted(shares)[experts // 2], max(shares)]
+            table.add_row(layer, *(f"{value:.2f}" for value in cells))
+        (self.live.console if self.live else self.console).print(table)
+
     def event(self, message: str) -> None:
         """A one-off line (evaluation results, checkpoints)."""
         if self.leader:

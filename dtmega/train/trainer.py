@@ -247,6 +247,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 tokens = window_steps * shape.global_batch * args.seq_length
                 tflops = self.flops_per_token * tokens / elapsed / shape.world / 1e12
+                moe = self._moe_metrics(window_moe)
                 self.logger.log({
                     "step": self.iteration, "loss": sum(window_losses) / len(window_losses),
                     "lr": self.schedule(self.iteration), "grad_norm": grad_norm,
@@ -255,8 +256,9 @@ class Trainer:
                     "memory_gib": memory_gib(self.device_type), "skipped_steps": skipped,
                     "consumed_samples": self.loader.consumed_samples,
                     **({"loss_scale": self.scaler.scale} if self.scaler else {}),
-                    **self._moe_metrics(window_moe),
+                    **moe,
                 })
+                self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
             if self.iteration % args.eval_interval == 0 or last:
                 self.validate(result)

@@ -173,3 +173,18 @@ def test_moe_presets_and_errors():
                                 "--expert-tensor-parallel-size", "1"])
     with pytest.raises(ArgumentError, match="ETP equals TP"):
         build_plan(args, run_shape(args, world=4), 4)
+
+
+@pytest.mark.parametrize("name", ["demo", "moe"])
+def test_shipped_configs_build_a_plan_for_four_ranks(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.toml"
+    args, _ = parse_train_args(["--config", str(path)])
+    shape = run_shape(args, world=4)
+    config = model_config(args, 8192)
+    plan = build_plan(args, shape, config.n_layers)
+    assert (shape.tp, shape.dp) == (2, 2)
+    if name == "moe":
+        assert config.moe.num_experts == 8 and shape.ep == 2
+        assert "ExpertParallel" in [type(p).__name__ for p in plan]

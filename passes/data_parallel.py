@@ -162,8 +162,9 @@ class DataParallel(Pass):
         backend = dist.get_backend(dense.get_group(0))
         if "nccl" not in backend:
             # gloo has no AVG/PREMUL_SUM reduction: reduce with SUM, then divide explicitly. Not
-            # on one-rank units: there torch 2.13 divides a custom divide factor out twice.
-            single = expert_mesh is not None and expert_mesh.size() == 1
+            # on expert units that shard over one rank (DDP's always do): there torch 2.13 divides
+            # a custom divide factor out twice; unforced, it divides once and all-reduces with SUM.
+            single = expert_mesh is not None and (self.mode == "ddp" or expert_mesh.size(expert_mesh.ndim - 1) == 1)
             for part in program.parts:
                 for fqn, module in part.named_modules():
                     if isinstance(module, FSDPModule) and not (single and fqn in experts):

@@ -47,7 +47,7 @@ class GroupedExperts(nn.Module):
         out = grouped_mm(hidden, w2, counts, self.grouped)
         if self.tp_mesh is not None:  # partial sums over the hidden-dim shards
             partial = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
-            out = partial.redistribute(placements=[Replicate()]).to_local()
+            out = partial.redistribute(placements=[Replicate()]).to_local().clone()  # not a view: FSDP hooks it
         return out
 
 

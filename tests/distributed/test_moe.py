@@ -12,7 +12,7 @@ import dtmega
 from dtmega.models import LlamaConfig
 from dtmega.models.moe import moe_layers
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, PipelineSplit, SequenceParallel, TensorParallel,
+    ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
 )
 from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, mesh
 from tests.interop_models import hf_tiny_mixtral, torchtitan_tiny_moe
@@ -124,3 +124,13 @@ def test_compiled_moe_blocks_match_unsharded():
     pm.init_weights(seed=36)
     pm.compile(backend="aot_eager")
     assert_close_to_reference(compare_training(reference, pm, steps=2, seq_len=16))
+
+
+@pytest.mark.parametrize("name, sizes, passes", [
+    ("ep2_full_recompute", dict(ep=2), [ExpertParallel(), Recompute("full"), DataParallel("ddp")]),
+    ("ep2_hsdp2", dict(ep=2, dp_replicate=2), [ExpertParallel(), DataParallel("hsdp")]),
+    ("ep2_ddp2", dict(ep=2, dp_replicate=2), [ExpertParallel(), DataParallel("ddp")]),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_moe_with_recompute_hsdp_and_ddp(name, sizes, passes):
+    _, _, result = run(moe_llama(), sizes, passes, seed=37, steps=3, seq_len=16)
+    assert_close_to_reference(result)

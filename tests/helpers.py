@@ -183,6 +183,7 @@ def mesh(**sizes: int):
     slow down every later collective."""
     from dtmega.mesh import split_world
 
+    sizes = {axis: size for axis, size in sizes.items() if size != 1}
     sizes.setdefault("dp_shard", 1)
     key = tuple(sorted(sizes.items()))
     if key not in _MESHES:

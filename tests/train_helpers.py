@@ -43,3 +43,17 @@ def tiny_args(data: str, **overrides) -> list[str]:
         elif value not in (None, False):
             argv += [f"--{key}", str(value)]
     return argv
+
+
+def train_reusing_meshes(argv: list[str]):
+    """`dtmega train` on the suite's cached mesh of the sizes `argv` asks for (a new mesh per
+    run would add process groups, and gloo threads, that slow every later test)."""
+    from dtmega.train.args import parse_train_args
+    from dtmega.train.setup import run_shape
+    from dtmega.train.trainer import train
+    from tests.helpers import mesh
+
+    shape = run_shape(parse_train_args(argv)[0], dist.get_world_size())
+    sizes = dict(pp=shape.pp, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, ep=shape.ep, cp=shape.cp,
+                 tp=shape.tp)
+    return train(argv, mesh=mesh(**sizes))

@@ -19,7 +19,7 @@ from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
 from dtmega.data.indexed import read_stats
 from dtmega.data.loader import BatchLoader
 from dtmega.data.tokenizers import build_tokenizer
-from dtmega.mesh import default_device_type, init_distributed
+from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import Llama
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
 from dtmega.train.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
@@ -90,7 +90,7 @@ def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod
 class Trainer:
     """Holds the run's pieces; `run()` trains, evaluates, logs and checkpoints."""
 
-    def __init__(self, args: TrainArgs, notes: list[str]):
+    def __init__(self, args: TrainArgs, notes: list[str], mesh=None):
         reject_unsupported(args)
         missing = [flag for flag, value in (("--train-iters", args.train_iters), ("--lr", args.lr)) if value is None]
         if missing or not args.data_path:
@@ -118,10 +118,11 @@ class Trainer:
         self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
-        self.mesh = dtmega.make_mesh(
-            pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard, ep=self.shape.ep,
-            cp=self.shape.cp, tp=self.shape.tp, device_type=self.device_type,
-        )
+        sizes = dict(pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard,
+                     ep=self.shape.ep, cp=self.shape.cp, tp=self.shape.tp)
+        if mesh is not None and mesh_sizes(mesh) != sizes:
+            raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
+        self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
         with torch.device("meta"):
             model = Llama(self.config)
         self.pm = dtmega.parallelize(model, self.mesh, self.plan)
@@ -273,10 +274,12 @@ class Trainer:
         return result
 
 
-def train(argv: list[str]) -> TrainResult:
-    """Runs `dtmega train` with command-line style arguments."""
+def train(argv: list[str], mesh=None) -> TrainResult:
+    """Runs `dtmega train` with command-line style arguments. `mesh` (of the sizes the arguments
+    ask for) reuses a mesh across runs in one process: each new mesh adds process groups whose
+    gloo threads slow every later collective."""
     args, notes = parse_train_args(argv)
-    return Trainer(args, notes).run()
+    return Trainer(args, notes, mesh=mesh).run()
 
 
 main = train

@@ -24,9 +24,11 @@ PLANS = {
     "cp2_dp2": (dict(cp=2, dp_shard=2), lambda m: [ContextParallel(method=m), DataParallel("fsdp")]),
     "cp2_pp2": (dict(cp=2, pp=2), lambda m: [ContextParallel(method=m), PipelineSplit(microbatches=2),
                                             DataParallel("ddp")]),
-    "cp2_hsdp2": (dict(cp=2, dp_replicate=2), lambda m: [ContextParallel(method=m), DataParallel("hsdp")]),
-    "cp2_selective_recompute": (dict(cp=2), lambda m: [ContextParallel(method=m), Recompute("selective"),
-                                                        DataParallel("ddp")]),
+}
+# Further compositions, with the ring (the method with its own backward).
+MORE_PLANS = {
+    "cp2_hsdp2": (dict(cp=2, dp_replicate=2), [ContextParallel(), DataParallel("hsdp")]),
+    "cp2_selective_recompute": (dict(cp=2), [ContextParallel(), Recompute("selective"), DataParallel("ddp")]),
 }
 
 
@@ -34,8 +36,17 @@ PLANS = {
 @pytest.mark.parametrize("name", list(PLANS))
 def test_dtmega_llama_with_context_parallelism(name, method):
     sizes, passes = PLANS[name]
+    check_plan(sizes, passes(method))
+
+
+@pytest.mark.parametrize("name", list(MORE_PLANS))
+def test_more_compositions_with_ring_attention(name):
+    check_plan(*MORE_PLANS[name])
+
+
+def check_plan(sizes: dict, passes: list) -> None:
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=21)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes(method)))
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=21)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
 

@@ -22,8 +22,8 @@ def test_train_llama_with_context_parallelism_loss_falls():
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_train_llama_moe_with_expert_parallelism_compiled_loss_falls():
-    losses = train_llama(["--steps", "20", "--model", "debug-moe", "--tp", "1", "--ep", "2", "--compile", "aot_eager"])
+def test_train_llama_moe_with_expert_parallelism_loss_falls():
+    losses = train_llama(["--steps", "20", "--model", "debug-moe", "--tp", "1", "--ep", "2", "--compile", "none"])
     assert losses[-1] < losses[0] - 1.0, losses
 
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from dtmega.train.generate import generate
 from dtmega.train.restore import restore
-from dtmega.train.trainer import train
 from tests.helpers import mesh, relative_error
 from tests.train_helpers import prepare_corpus, tiny_args
+from tests.train_helpers import train_reusing_meshes as train
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +145,21 @@ def test_resume_a_pipelined_run_under_another_pipeline(corpus, pipelined, shared
     assert len(resumed.losses) == 2 and all(math.isfinite(x) for x in resumed.losses)
 
 
+SIX_STEPS = dict(num_layers=2, train_iters=6, global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
+                 use_distributed_optimizer=True, eval_interval=6)
+
+
+@pytest.fixture(scope="module")
+def tp2_fsdp2_six_steps(corpus):
+    """The reference the context-parallel runs are compared with."""
+    return train(tiny_args(corpus, **SIX_STEPS))
+
+
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
-def test_context_parallel_training_matches_data_parallel_training(corpus, comm):
-    common = dict(num_layers=2, train_iters=6, global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
-                  use_distributed_optimizer=True, eval_interval=6)
-    reference = train(tiny_args(corpus, **common))
+def test_context_parallel_training_matches_data_parallel_training(corpus, comm, tp2_fsdp2_six_steps):
+    reference = tp2_fsdp2_six_steps
     result = train(tiny_args(corpus, context_parallel_size=2, cp_comm_type=comm, sequence_parallel=True,
-                             **{**common, "micro_batch_size": 4}))
+                             **{**SIX_STEPS, "micro_batch_size": 4}))
     errors = [relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(result.losses, reference.losses)]
     assert max(errors) < 1e-5, errors
     assert abs(result.validation[-1][1] - reference.validation[-1][1]) / reference.validation[-1][1] < 1e-5

@@ -198,3 +198,11 @@ def test_moe_training_with_expert_parallelism_matches_data_parallel_training(cor
             assert sorted(loads) == ["layers.0.feed_forward", "layers.1.feed_forward"]
             assert all(len(load) == 4 and abs(sum(load) - 1) < 1e-6 for load in loads.values())
         assert list(board.glob("events.out.tfevents.*"))
+
+
+def test_a_mesh_of_other_sizes_than_the_arguments_is_refused(corpus):
+    from dtmega.train.args import ArgumentError
+    from dtmega.train.trainer import train as train_on
+
+    with pytest.raises(ArgumentError, match="the mesh given has the sizes"):
+        train_on(tiny_args(corpus, tensor_model_parallel_size=2, train_iters=1), mesh=mesh(tp=4))

@@ -129,6 +129,8 @@ class DataParallel(Pass):
         if self.mode == "fsdp":
             return program.flat_submesh(shard_axes)
         if self.mode == "hsdp":
+            if len(shard_axes) == 1:
+                return program.submesh("dp_replicate", shard_axes[0])
             replicas = program.mesh_shape["dp_replicate"]
             flat = program.flat_submesh(("dp_replicate", *shard_axes))
             return flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "_".join(shard_axes)))

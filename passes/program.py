@@ -125,9 +125,12 @@ class Program:
         return size
 
     def flat_submesh(self, axes: tuple[str, ...] | list[str]) -> DeviceMesh:
-        """The ranks along `axes` (those this mesh has) as one 1-D mesh (apply-time only)."""
+        """The ranks along `axes` (those this mesh has) as one 1-D mesh (apply-time only).
+        Axes of size 1 are left out, so one axis of size > 1 is its own mesh: no new process
+        group (on GPUs, no new NCCL communicator) for a flattening that changes nothing."""
         present = [axis for axis in axes if axis in self.mesh_shape]
-        return self.submesh(*present, flatten="_".join(present))
+        wide = [axis for axis in present if self.mesh_shape[axis] > 1] or present[:1]
+        return self.submesh(*wide, flatten="_".join(wide))
 
     def modules_at(self, fqn: str) -> list[nn.Module]:
         """The module at `fqn` in every local part that has it (the root is in every part; a

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import dtmega
@@ -174,14 +175,18 @@ def mesh_shape(**sizes: int) -> dict[str, int]:
 
 
 _MESHES: dict = {}
+_GROUPS: dict = {}
 
 
 def mesh(**sizes: int):
     """A mesh of the given axis sizes (others 1) for the distributed suite: the 4-rank world is
     split into as many independent copies as fit, so 1- and 2-rank plans run on every rank.
-    Meshes are reused across tests: every new one adds process groups (and gloo threads) that
-    slow down every later collective."""
-    from dtmega.mesh import split_world
+
+    Every gloo process group keeps three threads whose idle polling slows every later
+    collective, and a world of 4 has only a handful of distinct rank sets; so meshes are cached
+    and built from one cached process group per rank set (`DeviceMesh.from_group`) instead of
+    `split_world`'s fresh groups per axis. The mesh is the same as `split_world`'s."""
+    from dtmega.mesh import AXES, resolve_mesh_sizes
 
     sizes = {axis: size for axis, size in sizes.items() if size != 1}
     sizes.setdefault("dp_shard", 1)
@@ -190,8 +195,25 @@ def mesh(**sizes: int):
         ranks = 1
         for size in sizes.values():
             ranks *= size
-        _MESHES[key] = split_world(WORLD // ranks, device_type="cpu", **sizes)
+        axis_sizes = resolve_mesh_sizes(ranks, **{axis: sizes.get(axis, 1) for axis in AXES})
+        world = torch.arange(WORLD, dtype=torch.int).view(WORLD // ranks, *axis_sizes.values())
+        groups = [_group_along(world, dim) for dim in range(world.dim())]
+        root = DeviceMesh.from_group(groups, "cpu", mesh=world, mesh_dim_names=("replica", *AXES))
+        _MESHES[key] = root[AXES]
     return _MESHES[key]
+
+
+def _group_along(world: torch.Tensor, dim: int) -> dist.ProcessGroup:
+    """This rank's process group along `dim` of the rank grid; every rank creates the missing
+    groups in the same order, so the cache stays identical on all ranks."""
+    mine = None
+    for ranks in world.movedim(dim, -1).reshape(-1, world.size(dim)).tolist():
+        key = tuple(ranks)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.group.WORLD if len(key) == WORLD else dist.new_group(list(key))
+        if dist.get_rank() in key:
+            mine = _GROUPS[key]
+    return mine
 
 
 def clone_module(module: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import dtmega
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import DataParallel, PlanError, SequenceParallel, TensorParallel
+from tests.helpers import mesh as cached_mesh
 
 
 @pytest.mark.parametrize(
@@ -27,7 +28,7 @@ def test_bad_plan_fails_identically_everywhere(config, sizes, passes):
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name("debug", **config))
     originals = {name: p for name, p in model.named_parameters()}
-    mesh = dtmega.make_mesh(device_type="cpu", **sizes)
+    mesh = cached_mesh(**sizes)
     with pytest.raises(PlanError) as caught:
         dtmega.parallelize(model, mesh, dtmega.Plan(passes))
     messages: list = [None] * dist.get_world_size()

@@ -83,18 +83,19 @@ def test_expert_bias_balancing_matches_unsharded():
         assert (mine.router.expert_bias == theirs.router.expert_bias).all(), name
 
 
-INTEROP_PLANS = {  # each dispatcher once per model
-    "ep2_alltoall": (dict(ep=2), [ExpertParallel(dispatcher="alltoall"), DataParallel("ddp")]),
-    "ep2_fsdp2_allgather": (dict(ep=2, dp_shard=2), [ExpertParallel(dispatcher="allgather"), DataParallel("fsdp")]),
+INTEROP_PLANS = {
+    "ep2": (dict(ep=2), lambda d: [ExpertParallel(dispatcher=d), DataParallel("ddp")]),
+    "ep2_fsdp2": (dict(ep=2, dp_shard=2), lambda d: [ExpertParallel(dispatcher=d), DataParallel("fsdp")]),
 }
 
 
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
 @pytest.mark.parametrize("name", list(INTEROP_PLANS))
 @pytest.mark.parametrize("build", [hf_tiny_mixtral, torchtitan_tiny_moe], ids=["hf_mixtral", "torchtitan_qwen3_moe"])
-def test_other_libraries_moe_models_match_unsharded(build, name):
+def test_other_libraries_moe_models_match_unsharded(build, name, dispatcher):
     sizes, passes = INTEROP_PLANS[name]
     reference = build(seed=34)
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), passes)
+    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), passes(dispatcher))
     result = compare_training(reference, pm, steps=5, seq_len=16)
     if build is torchtitan_tiny_moe and sizes.get("dp_shard", 1) > 1:
         # torchtitan computes its experts in bf16 (GroupedExperts casts to bfloat16): expert

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: what machine, and how much memory a process tree used."""
+"""Shared by the benchmarks: what machine, how much memory a process tree used, what autograd
+saves, and timed steps with the bytes they sent."""
 
 from __future__ import annotations
 
@@ -65,3 +66,38 @@ def run_on_ranks(script: str, ranks: int, out: Path, *args: str) -> list:
     rows = json.loads(out.read_text())
     out.unlink()
     return rows
+
+
+def saved_activation_bytes(run) -> tuple[int, object]:
+    """(bytes autograd keeps for backward while `run()` builds the graph, `run()`'s result)."""
+    seen, total = set(), [0]
+
+    def pack(tensor):
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "elem"):  # an in-flight collective's result
+            tensor = tensor.elem
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total[0] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return total[0], result
+
+
+def timed_steps(step, stats, count: int) -> tuple[list[float], list[int]]:
+    """Runs `step()` `count` times, ranks in step; returns each run's seconds and the bytes the
+    pass's communication `stats` (a CommStats, or None: nothing sent) counted during it."""
+    import torch.distributed as dist
+
+    times, sent = [], []
+    for _ in range(count):
+        before = stats.bytes_sent if stats else 0
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        sent.append((stats.bytes_sent if stats else 0) - before)
+    return times, sent

@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, run_on_ranks  # noqa: E402
+from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 8, 4, 2, 512
 
@@ -48,25 +47,6 @@ def analytic_bytes(method: str, cp: int, seq: int, batch: int = 1, element: int 
         tensors = 2 * q + 2 * local * kv_heads * element
         per_layer = 2 * tensors * (cp - 1) // cp
     return LAYERS * per_layer
-
-
-def saved_activation_bytes(run) -> int:
-    """Bytes autograd keeps for backward while `run()` builds the graph."""
-    seen, total = set(), [0]
-
-    def pack(tensor):
-        if type(tensor) is not torch.Tensor and hasattr(tensor, "elem"):  # an in-flight collective's result
-            tensor = tensor.elem
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen:
-            seen.add(key)
-            total[0] += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = run()
-    return total[0], result
 
 
 def worker(seq: int, methods: list[str], steps: int, out: Path) -> None:
@@ -91,15 +71,12 @@ def worker(seq: int, methods: list[str], steps: int, out: Path) -> None:
         activation, _ = saved_activation_bytes(
             lambda: per_token_cross_entropy(pm.forward(fields.tokens, fields.position_ids), fields.labels).sum()
         )
-        times, sent = [], []
-        for _ in range(steps + 1):
-            before = stats.bytes_sent if stats else 0
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step():
             pm.forward_backward(batch)
-            times.append(time.perf_counter() - start)
-            sent.append((stats.bytes_sent if stats else 0) - before)
             pm.module.zero_grad(set_to_none=True)
+
+        times, sent = timed_steps(step, stats, steps + 1)
         rows.append({"cp": cp, "method": method, "seq": seq, "activation_mib": activation / 2**20,
                      "step_seconds": statistics.median(times[1:]), "bytes_sent": sent[-1],
                      "analytic_bytes": analytic_bytes(method, cp, seq)})

@@ -20,7 +20,6 @@ import json
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,8 +30,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, run_on_ranks  # noqa: E402
-from benchmarks.context import saved_activation_bytes  # noqa: E402
+from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
 
 DIM, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 256, 4, 8, 8, 2, 512, 512
 
@@ -77,16 +75,13 @@ def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) 
         )
         pm.module.zero_grad(set_to_none=True)
         pm.moe_stats()
-        times, sent = [], []
-        for _ in range(steps + 1):
-            before = stats.bytes_sent if stats else 0
-            dist.barrier()
-            start = time.perf_counter()
+
+        def step():
             pm.forward_backward(local)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-            sent.append((stats.bytes_sent if stats else 0) - before)
+
+        times, sent = timed_steps(step, stats, steps + 1)
         load = pm.moe_stats()["expert_load"]
         busiest = max(max(layer) for layer in load.values()) * EXPERTS
         weights = pm.layout.local_bytes()  # parameters; + fp32 gradients + AdamW's two moments

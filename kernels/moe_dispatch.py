@@ -84,14 +84,19 @@ class LocalDispatcher:
         return weighted_sum(rows, state.order, probs, state.top_k, state.tokens)
 
 
-class AllToAllDispatcher(LocalDispatcher):
-    """Experts split evenly over `group` (rank r holds experts r*E/ep ... (r+1)*E/ep - 1)."""
+class _GroupDispatcher(LocalDispatcher):
+    """Experts split evenly over `group` (rank r holds experts r*E/ep ... (r+1)*E/ep - 1);
+    `stats` counts the bytes each rank sends."""
 
     def __init__(self, num_experts: int, group, stats: CommStats | None = None):
         super().__init__(num_experts)
         self.group, self.stats = group, stats
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local_experts = num_experts // self.world
+
+
+class AllToAllDispatcher(_GroupDispatcher):
+    """Each token row travels to the rank holding its expert and back (uneven all-to-all)."""
 
     def dispatch(self, x, ids, keep):
         order, counts = sort_by_expert(ids, keep, self.num_experts)
@@ -122,14 +127,8 @@ class AllToAllDispatcher(LocalDispatcher):
         _count_backward(received, self.stats, sum(received_splits) - received_splits[self.rank])
 
 
-class AllGatherDispatcher(LocalDispatcher):
+class AllGatherDispatcher(_GroupDispatcher):
     """Every rank of `group` sees all of the group's tokens and computes its own experts' share."""
-
-    def __init__(self, num_experts: int, group, stats: CommStats | None = None):
-        super().__init__(num_experts)
-        self.group, self.stats = group, stats
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.local_experts = num_experts // self.world
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.requires_grad:

@@ -53,7 +53,4 @@ def train_reusing_meshes(argv: list[str]):
     from dtmega.train.trainer import train
     from tests.helpers import mesh
 
-    shape = run_shape(parse_train_args(argv)[0], dist.get_world_size())
-    sizes = dict(pp=shape.pp, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, ep=shape.ep, cp=shape.cp,
-                 tp=shape.tp)
-    return train(argv, mesh=mesh(**sizes))
+    return train(argv, mesh=mesh(**run_shape(parse_train_args(argv)[0], dist.get_world_size()).mesh_sizes()))

@@ -37,6 +37,11 @@ class RunShape:
     global_batch: int
     accumulation: int
 
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh this run needs, as `dtmega.make_mesh` keyword arguments."""
+        return dict(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, ep=self.ep, cp=self.cp,
+                    tp=self.tp)
+
 
 def reject_unsupported(args: TrainArgs) -> None:
     """Flags whose feature does not exist (yet), with what to do instead."""

@@ -118,8 +118,7 @@ class Trainer:
         self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
-        sizes = dict(pp=self.shape.pp, dp_replicate=self.shape.dp_replicate, dp_shard=self.shape.dp_shard,
-                     ep=self.shape.ep, cp=self.shape.cp, tp=self.shape.tp)
+        sizes = self.shape.mesh_sizes()
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)

@@ -11,7 +11,7 @@ NPROC ?= 4
 DEMO := runs/demo
 KJV = $$($(PY) -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('bible').submodule_search_locations[0], 'data', 'kjv.jsonl'))")
 
-.PHONY: train test install install-dev clean
+.PHONY: train test test-portable install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ test: $(VENV)/.installed-dev
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 4 --local-ranks-filter 0 \
 		-m pytest tests/distributed -q -p no:cacheprovider
+
+# The distributed session under every CPU kernel level torch can use here (default, avx2, and
+# native: avx512 where the CPU has it), one summary line each; CI runs `make test` only.
+test-portable: $(VENV)/.installed-dev
+	$(PY) tests/portable.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -77,3 +77,29 @@ def hf_tiny_mixtral(seed: int = 0) -> nn.Module:
     )
     torch.manual_seed(seed)
     return MixtralForCausalLM(config).float()
+
+
+def with_fp32_experts(model: nn.Module) -> nn.Module:
+    """`model` (a torchtitan MoE decoder) with its `GroupedExperts` computing in fp32.
+
+    torchtitan casts tokens and expert weights to bf16 for the grouped GEMM whatever the plan,
+    so its MoE models cannot be held to fp32 tolerances as built. This instance-level patch runs
+    the same math (silu(x W1^T) * x W3^T, then W2) without the casts, so the plan itself can be
+    checked at fp32 tolerances; the as-built bf16 model is checked at bf16 tolerances beside it.
+    """
+    import types
+
+    from torch.distributed.tensor import DTensor
+
+    from dtmega.kernels.grouped_gemm import grouped_mm
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        counts = num_tokens_per_expert_E
+        hidden = torch.nn.functional.silu(grouped_mm(x_RD, w1, counts)) * grouped_mm(x_RD, w3, counts)
+        return grouped_mm(hidden, w2, counts)
+
+    for module in model.modules():
+        if type(module).__name__ == "GroupedExperts":
+            module.forward = types.MethodType(forward, module)
+    return model

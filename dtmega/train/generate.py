@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,53 +16,55 @@ from torch.distributed.tensor import DTensor
 
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.models.kv_cache import KVCache
+from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
 from dtmega.train.restore import restore
 
 
-def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]: greedy at temperature 0, else
-    softmax sampling restricted to the top-k tokens and to the smallest set with mass top-p."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        mass = sorted_logits.softmax(-1).cumsum(-1)
-        drop = mass - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+@dataclass
+class Generation:
+    """What `generate_tokens` produced: the new token ids (without the end-of-document token
+    that stopped it) and each choice's margin (`dtmega.train.sampling`), the stopping choice's
+    included (so `margins` is one longer than `ids` when end-of-document stopped it)."""
+
+    ids: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: int = 64,
-             temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95, seed: int = 0) -> str:
-    """Continues `prompt`; stops at end-of-document or after `max_new_tokens`. Identical on every
-    rank of a TP group (same seed, same gathered logits)."""
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise ValueError("--prompt is empty after tokenization; give some text")
+def generate_tokens(model: torch.nn.Module, prompt_ids: list[int], *, vocab_size: int, eod: int | None,
+                    max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95,
+                    seed: int = 0) -> Generation:
+    """Continues `prompt_ids` with a KV cache; stops at `eod` or after `max_new_tokens`.
+    Identical on every rank of a TP group (same seed, same gathered logits)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty after tokenization; give some text")
     device = next(model.buffers()).device
-    vocab = tokenizer.vocab_size
-    cache = KVCache(len(ids) + max_new_tokens)
+    cache = KVCache(len(prompt_ids) + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed)
-    tokens = torch.tensor([ids], device=device)
-    produced: list[int] = []
+    tokens = torch.tensor([prompt_ids], device=device)
+    result = Generation()
     for _ in range(max_new_tokens):
         logits = model(tokens, cache=cache)[:, -1]
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        logits[:, vocab:] = float("-inf")  # padded vocabulary rows are never real tokens
-        next_id = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if int(next_id) == tokenizer.eod:
+        logits[:, vocab_size:] = float("-inf")  # padded vocabulary rows are never real tokens
+        choice = choose_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        next_id = int(choice.ids)
+        result.margins.append(float(choice.margins))
+        if next_id == eod:
             break
-        produced.append(int(next_id))
-        tokens = next_id.view(1, 1)
-    return tokenizer.decode(produced)
+        result.ids.append(next_id)
+        tokens = choice.ids.view(1, 1)
+    return result
+
+
+def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: int = 64,
+             temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95, seed: int = 0) -> str:
+    """Continues `prompt` (text in, text out); see `generate_tokens`."""
+    produced = generate_tokens(model, tokenizer.encode(prompt), vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed)
+    return tokenizer.decode(produced.ids)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,6 +83,7 @@ def test_logits_equal_hugging_face_llama_with_converted_weights():
     with torch.no_grad():
         ours = model(tokens)
         theirs = hf(input_ids=tokens).logits
+    # fp32, two implementations (interleaved vs rotate-half RoPE, other op order) through 2 blocks.
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from dtmega.train.generate import sample_next
 from dtmega.train.optim import LossScaler, adamw, global_grad_norm
 from dtmega.train.schedule import LRSchedule
 
@@ -51,13 +50,3 @@ def test_dynamic_loss_scale_halves_after_hysteresis_and_grows_after_window():
     static = LossScaler(scale=8.0, dynamic=False)
     static.update(overflow=True)
     assert static.scale == 8.0
-
-
-def test_sampling_filters():
-    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
-    assert sample_next(logits, temperature=0, top_k=0, top_p=1, generator=None).item() == 1
-    g = torch.Generator().manual_seed(0)
-    picks = {sample_next(logits, temperature=1.0, top_k=2, top_p=1.0, generator=g).item() for _ in range(200)}
-    assert picks == {1, 2}
-    picks = {sample_next(logits, temperature=1.0, top_k=0, top_p=0.5, generator=g).item() for _ in range(100)}
-    assert picks == {1}

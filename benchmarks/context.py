@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 8, 4, 2, 512
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = f"{row['bytes_sent'] / row['analytic_bytes']:.3f}" if row["analytic_bytes"] else "-"
         table.add_row(str(row["cp"]), row["method"], f"{row['activation_mib']:.1f}", f"{row['step_seconds']:.3f}",
                       f"{row['bytes_sent'] / 1e6:.2f}", f"{row['analytic_bytes'] / 1e6:.2f}", ratio)
-    Console().print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

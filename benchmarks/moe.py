@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 DIM, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 256, 4, 8, 8, 2, 512, 512
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['weights_grads_adam_mib']:.1f}", f"{row['activation_mib']:.1f}", f"{row['peak_rss_mib']:.0f}",
                       f"{row['bytes_sent'] / 1e6:.2f}", f"{row['analytic_bytes'] / 1e6:.2f}", ratio,
                       f"{row['busiest_expert_share']:.2f}x")
-    Console(width=180).print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

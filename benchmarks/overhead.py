@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +32,7 @@ import dtmega  # noqa: E402
 from dtmega.kernels import per_token_cross_entropy  # noqa: E402
 from dtmega.models import Llama, LlamaConfig  # noqa: E402
 from dtmega.passes import DataParallel, Plan, SequenceParallel, TensorParallel  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 CONFIG = LlamaConfig.from_name("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096)
 BATCH, SEQ = 8, 256
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     table.add_row("", "", "", f"framework overhead {single['overhead'] * 100:+.1f}%")
     for name, row in multi.items():
         table.add_row(f"4 ranks, {name}", f"{row['step_seconds']:.4f}", f"{row['tokens_per_second']:,.0f}", "incl. AdamW")
-    Console().print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

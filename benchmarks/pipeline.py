@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zero_bubble": 2,
              "zbv": 2, "dualpipev": 2}
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         gap = "" if row["theory"] is None else f"{(row['bubble'] - row['theory']) * 100:+.1f} pts"
         table.add_row(row["schedule"], str(row["p"]), str(row["m"]), f"{row['bubble']:.3f}",
                       "-" if row["theory"] is None else f"{row['theory']:.3f}", gap)
-    Console().print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

@@ -16,13 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_measured  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 
 def synthetic_jsonl(path: Path, size_mb: float, seed: int = 0) -> Path:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(str(row["workers"]), f"{row['seconds']:.1f}", f"{row['mb_per_second']:.1f}", f"{row['peak_rss_mib']:.0f}")
-    Console().print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

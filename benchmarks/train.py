@@ -16,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_measured  # noqa: E402
 from benchmarks.preprocess import synthetic_jsonl  # noqa: E402
+from dtmega.printing import console  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "768", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "4", "--swiglu", "--seq-length", "256",
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--max-plans", type=int, default=len(PLANS), help="run only the first N plans of the table")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train.json")
     args = parser.parse_args(argv)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         done, _, _ = run_measured(prep, cwd=ROOT)
         if done.returncode:
             raise RuntimeError(done.stderr)
-        for name, flags in PLANS.items():
+        for name, flags in list(PLANS.items())[:args.max_plans]:
             log = tmp / f"{len(rows)}.jsonl"
             command = [torchrun, "--nproc-per-node", str(args.nproc), "-m", "dtmega", "train", *MODEL, *flags,
                        "--train-iters", str(args.steps), "--log-interval", str(args.steps // 2), "--eval-iters", "0",
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, row in rows.items():
         table.add_row(name, f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_device']:.4f}",
                       f"{row['mfu']:.3f}" if row["mfu"] is not None else "-", f"{row['memory_gib']:.2f}")
-    Console().print(table)
+    console().print(table)
     print(f"wrote {args.out}")
     return result
 

@@ -16,6 +16,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "console": "dtmega.printing",
     "make_batch": "dtmega.batch",
     "synthetic_batch": "dtmega.batch",
     "init_distributed": "dtmega.mesh",

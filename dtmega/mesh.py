@@ -12,11 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtmega.passes.axes import STANDARD_AXES as AXES  # Megatron's order, slowest to fastest
 from dtmega.passes.errors import PlanError
-
-# Megatron's order, slowest to fastest: ep borrows data-parallel ranks (the batch is split over
-# dp_replicate x dp_shard x ep), cp and tp ranks are nearest to each other.
-AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 def default_device_type() -> str:

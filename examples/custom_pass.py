@@ -49,4 +49,4 @@ if __name__ == "__main__":
     pm = dtmega.parallelize(model, dtmega.make_mesh(tp=-1, dp_shard=1), Plan([MLPTensorParallel()]))
     pm.init_weights(seed=0)
     loss = pm.forward_backward(dtmega.synthetic_batch(4, 32, 256))
-    print(pm.layout["layers.0.feed_forward.w2"], f"loss {loss.item():.4f}", sep="\n")
+    dtmega.console().print(pm.layout["layers.0.feed_forward.w2"], f"loss {loss.item():.4f}")  # rank 0 prints

@@ -17,7 +17,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dtmega
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
 
     leader = dist.get_rank() == 0
-    console = Console(quiet=not leader, width=None if sys.stdout.isatty() else 150)
+    console = dtmega.console()
     console.print(pm.report())
     console.print(f"{config.num_params():,} parameters. Loss starts near ln({config.vocab_size}) = "
                   f"{math.log(config.vocab_size):.2f} and can fall to the data's entropy, ln(4) = {math.log(4):.2f}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -266,6 +267,15 @@ def _install_boundary_hooks(part: nn.Module, *, first: bool, boundary, tp_mesh) 
         return output.to_local() if isinstance(output, DTensor) else output
 
     part.register_forward_hook(to_local)
+    # DTensor.to_local() returns a view, and FSDP2 warns about any view a wrapped root returns
+    # (an in-place op on it would skip FSDP's pre-backward hook). A stage's output is never
+    # mutated: it is sent to the next stage or consumed by the loss. Copying it would cost a
+    # tensor the size of the logits on the last stage, so this one warning is silenced for
+    # the stage's own class instead.
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \((FSDP)?{type(part).__name__}\) returned a view tensor",
+        category=UserWarning,
+    )
     if first or boundary is None:
         return
 

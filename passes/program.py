@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtmega.passes.axes import complete_mesh_shape
 from dtmega.passes.errors import PlanError
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, known_families
 from dtmega.passes.layout import Layout
@@ -20,9 +21,10 @@ BATCH_AXES = ("dp_replicate", "dp_shard", "ep")
 
 
 def mesh_shape_of(mesh: DeviceMesh | dict[str, int]) -> dict[str, int]:
-    """{axis: size} of a DeviceMesh (or a dict already in that form)."""
+    """{axis: size} of a DeviceMesh, or of a dict in that form (standard axes it leaves out have
+    size 1, so `check_plan(model, {"tp": 8, "dp_shard": 64}, plan)` needs no other axis)."""
     if isinstance(mesh, dict):
-        return dict(mesh)
+        return complete_mesh_shape(mesh)
     if not mesh.mesh_dim_names:
         raise PlanError("the mesh has no axis names; build it with dtmega.make_mesh(...)")
     return {name: mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names)}

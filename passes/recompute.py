@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.utils.checkpoint
+from torch import nn
 from torch.distributed._composable import checkpoint
 
+from dtmega.kernels.recomputed_attention import recomputed_attention
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
@@ -69,6 +72,74 @@ class Recompute(Pass):
 
     def apply(self, program: Program) -> None:
         for fqn, entry in program.layout.modules.items():
-            if entry.recompute in ("full", "selective"):
-                for module in program.modules_at(fqn):
-                    checkpoint(module)
+            for module in program.modules_at(fqn):
+                if entry.recompute == "full":
+                    checkpoint(module)  # composable: FSDP's hooks re-gather the block's weights in recompute
+                elif entry.recompute == "selective":
+                    recompute_attention_core(module)
+
+
+def _dtmega_core(module: nn.Module):
+    forward = module.forward
+
+    def recomputed(q, k, v, q_offset: int = 0):
+        if q_offset or not torch.is_grad_enabled():  # decoding with a KV cache: nothing to recompute
+            return forward(q, k, v, q_offset=q_offset)
+        return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return recomputed
+
+
+def _torchtitan_sdpa(module: nn.Module):
+    forward = module.forward
+
+    def recomputed(q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
+        if attention_masks is not None or kwargs or not torch.is_grad_enabled():
+            return forward(q, k, v, attention_masks=attention_masks, scale=scale, enable_gqa=enable_gqa,
+                           is_causal=is_causal, **kwargs)
+        out = recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal,
+                                   scale=scale)
+        return out.transpose(1, 2)
+
+    return recomputed
+
+
+# Attention cores whose computation is plain (causal or full) softmax attention: their forward
+# becomes the recomputed-attention op, which works eagerly and inside compiled blocks alike.
+ATTENTION_CORES = {
+    ("dtmega.models.llama", "CoreAttention"): _dtmega_core,
+    ("torchtitan.models.common.attention", "ScaledDotProductAttention"): _torchtitan_sdpa,
+}
+
+
+def recompute_attention_core(module: nn.Module) -> None:
+    """Megatron's selective recompute of one attention core: keep only q, k, v and recompute
+    the attention in backward. Known cores (dtmega's, torchtitan's SDPA) run the
+    `recomputed_attention` op; any other core (e.g. context-parallel attention) is checkpointed."""
+    make = ATTENTION_CORES.get((type(module).__module__, type(module).__name__))
+    if make is None:
+        checkpoint_forward(module)
+    else:
+        module.forward = make(module)
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recomputes `module`'s forward in backward by running it under `torch.utils.checkpoint`
+    (non-reentrant), outside any compiled graph.
+
+    Two torch 2.13 failures shape this. The composable `checkpoint` (hooks around the module)
+    inside a compiled block recomputed the attention core eagerly against tensors the compiled
+    graph had saved in another shape (GQA keys expanded): "Recomputed values ... have different
+    metadata". Traced into the block as an activation-checkpoint region instead, AOT autograd's
+    partitioner saved a DeviceMesh as an activation under tensor parallelism ("expected all
+    tensors_saved_with_vc_check to be Tensors"). So the region is excluded from compilation: a
+    compiled block runs as graph, attention core (eager, recomputed), graph. The core is one
+    SDPA call that compilation could not fuse further, and it holds no parameters, so no
+    data-parallel hook needs to run inside the region."""
+    forward = module.forward
+
+    @torch.compiler.disable
+    def recomputed_forward(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed_forward

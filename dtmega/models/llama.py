@@ -115,6 +115,11 @@ class Llama(nn.Module):
         """
         seq = tokens.shape[1]
         start = cache.length if cache is not None else 0
+        if position_ids is None and start + seq > self.rope_cache.shape[0]:
+            raise ValueError(
+                f"{start + seq} positions, but the model's RoPE table has {self.rope_cache.shape[0]} "
+                f"(LlamaConfig.max_seq_len). Fix: a shorter sequence, or a model config with max_seq_len >= {start + seq}"
+            )
         if position_ids is None:
             rope = self.rope_cache[start:start + seq].unsqueeze(0)
         else:

@@ -1,6 +1,7 @@
 """`dtmega train` arguments: Megatron-LM's `pretrain_gpt.py` flags, a TOML config, or both.
 
-Precedence: built-in defaults < `--model` preset < `--config` TOML < flags on the command line.
+Precedence: built-in defaults < the TOML's `model` preset < `--config` TOML < `--model` on the command
+line < flags on the command line.
 Every flag does something, is rejected as "not supported yet", or is accepted with a one-line
 note saying why it means nothing here. Nothing is silently ignored.
 """
@@ -143,6 +144,9 @@ class TrainArgs:
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
     seed: int = _opt(1234, "random seed (init and data order)")
+    # ---- checking a launch ----
+    dry_run: int | None = _opt(None, "check the run for N ranks (default: this launch's) on no device: arguments, "
+                                     "files, plan and layout; print it and exit")
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
@@ -198,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainArgs):
         kind = _base_type(f.type)
         help_text = f.metadata.get("help", "")
-        if kind is bool:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if default not in (None, False, []):
+            help_text += f" (default: {default})".replace("%", "%%")
+        if f.name == "dry_run":
+            parser.add_argument(_flag(f.name), type=int, nargs="?", const=0, metavar="WORLD", help=help_text)
+        elif kind is bool:
             parser.add_argument(_flag(f.name), action="store_true", help=help_text)
         elif kind is list:
             parser.add_argument(_flag(f.name), nargs="+", help=help_text)
@@ -253,7 +262,6 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
             raise ArgumentError(f"{_flag(name)}: {feature} is not supported yet (planned in its own issue)")
     values: dict[str, Any] = {}
     config_path = namespace.pop("config", None)
-    preset = namespace.get("model")
     file_values = {}
     if config_path is not None:
         file_values = {key.replace("-", "_"): value for key, value in load_toml(Path(config_path)).items()}
@@ -261,10 +269,18 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
         unknown = sorted(set(file_values) - known)
         if unknown:
             raise ArgumentError(f"{config_path}: unknown option(s) {unknown}; keys are flag names such as 'train_iters'")
-        preset = namespace.get("model", file_values.get("model"))
-    if preset:
-        values.update(_preset(preset))
+    # Each source's --model applies at that source's level: a preset named on the command line
+    # replaces the architecture the TOML describes (a shared run.toml with sizes must not turn
+    # `--model llama3-70b` into a silent no-op), and flags still override the preset.
+    if "model" in file_values:
+        values.update(_preset(file_values["model"]))
     values.update(file_values)
+    if "model" in namespace:
+        preset = _preset(namespace["model"])
+        replaced = sorted(key for key in preset if key in file_values and file_values[key] != preset[key])
+        if replaced:
+            notes.append(f"--model {namespace['model']} replaces {', '.join(replaced)} from {config_path}")
+        values.update(preset)
     values.update(namespace)
     return TrainArgs(**values), notes
 

@@ -10,12 +10,11 @@ import argparse
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.models.kv_cache import KVCache
+from dtmega.printing import console
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
 from dtmega.train.restore import restore
 
@@ -68,16 +67,17 @@ def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_n
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dtmega generate", description="Sample text from a checkpoint.")
+    p = argparse.ArgumentParser(prog="dtmega generate", description="Sample text from a checkpoint.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=50, help="0 = no top-k filter")
     p.add_argument("--top-p", type=float, default=0.95, help="1.0 = no nucleus filter")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (launch that many ranks)")
     return p
 
 
@@ -90,6 +90,5 @@ def main(argv: list[str]) -> str:
     pm.eval()
     text = generate(pm.module, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
                     temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Console().print(f"[bold]{a.prompt}[/bold]{text}", highlight=False)
+    console().print(f"[bold]{a.prompt}[/bold]{text}", highlight=False)
     return text

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from dtmega.models.llama_config import LlamaConfig
+from dtmega.printing import console
 
 # Dense peak TFLOP/s from vendor datasheets: (bf16/fp16 tensor core, fp32 without TF32).
 GPU_PEAK_TFLOPS = {
@@ -179,4 +179,4 @@ class MetricsLogger:
 
 def make_console(leader: bool) -> Console:
     """Rank 0's console (wide when not a terminal, so logs stay one line per step)."""
-    return Console(quiet=not leader, width=None if sys.stdout.isatty() else 150)
+    return console(leader=leader)

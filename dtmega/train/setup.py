@@ -145,6 +145,15 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
     if args.group_query_attention and not args.num_query_groups:
         raise ArgumentError("--group-query-attention needs --num-query-groups")
     ffn = args.ffn_hidden_size or int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    positions = args.max_position_embeddings
+    if args.seq_length < 1:
+        raise ArgumentError(f"--seq-length must be >= 1, got {args.seq_length}")
+    if positions is not None and args.seq_length > positions:
+        raise ArgumentError(
+            f"--seq-length {args.seq_length} is longer than --max-position-embeddings {positions} (the RoPE table): "
+            f"positions past {positions - 1} have no rotation. Fix: raise --max-position-embeddings to at least "
+            f"{args.seq_length}, or leave it unset (the table then follows --seq-length)"
+        )
     try:
         return LlamaConfig(
             dim=args.hidden_size, n_layers=args.num_layers, n_heads=heads, n_kv_heads=kv_heads,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,20 +16,17 @@ import torch
 import torch.distributed as dist
 
 import dtmega
-from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
-from dtmega.data.indexed import read_stats
+from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
-from dtmega.data.tokenizers import build_tokenizer
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import Llama
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
-from dtmega.train.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from dtmega.train.checkpoint import load_checkpoint, save_checkpoint
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
 from dtmega.train.optim import LossScaler, adamw, global_grad_norm, scale_grads
 from dtmega.train.schedule import LRSchedule
-from dtmega.train.setup import (
-    build_plan, config_to_dict, model_config, reject_unsupported, run_shape, tokenizer_spec,
-)
+from dtmega.train.prepare import dry_run, prepare_run
+from dtmega.train.setup import config_to_dict
 
 
 @dataclass
@@ -40,38 +38,6 @@ class TrainResult:
     iteration: int = 0
     checkpoint: Path | None = None
     unigram_entropy: float | None = None
-
-
-def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
-    """Fails if a dataset holds ids the model cannot embed; returns the (first) dataset's
-    unigram entropy when preprocessing recorded it."""
-    entropy = None
-    for _, prefix in parse_data_path(list(args.data_path)):
-        stats = read_stats(prefix)
-        if stats is None:
-            continue
-        if stats["max_token_id"] >= vocab_size:
-            raise ArgumentError(
-                f"{prefix} holds token id {stats['max_token_id']}, but the model's vocabulary has {vocab_size} "
-                "ids: the data was tokenized with a larger vocabulary than this run's tokenizer. Fix: pass the "
-                "tokenizer the data was preprocessed with"
-            )
-        entropy = stats["unigram_entropy_nats"] if entropy is None else entropy
-    return entropy
-
-
-def vocab_from_checkpoint(load: str, config, tokenizer_vocab: int, tp: int):
-    """The checkpoint decides the padded vocabulary (padding depends on the TP size it was
-    trained with), so a run may resume under another TP size."""
-    saved = read_state(resolve_checkpoint(load))["model_config"]["vocab_size"]
-    if saved == config.vocab_size:
-        return config
-    if saved < tokenizer_vocab or saved % tp:
-        raise ArgumentError(
-            f"the checkpoint's vocabulary ({saved} rows) cannot serve this run: the tokenizer has {tokenizer_vocab} "
-            f"tokens and TP {tp} needs a multiple of {tp}"
-        )
-    return config.replace(vocab_size=saved)
 
 
 def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int) -> float:
@@ -91,28 +57,23 @@ class Trainer:
     """Holds the run's pieces; `run()` trains, evaluates, logs and checkpoints."""
 
     def __init__(self, args: TrainArgs, notes: list[str], mesh=None):
-        reject_unsupported(args)
-        missing = [flag for flag, value in (("--train-iters", args.train_iters), ("--lr", args.lr)) if value is None]
-        if missing or not args.data_path:
-            raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
         self.args = args
         self.device_type = default_device_type()
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        run = prepare_run(args, world)  # every argument and file checked before any process group
         init_distributed(self.device_type)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
         self.leader = self.rank == 0
         self.console = make_console(self.leader)
         for note in notes:
             self.console.print(f"[dim]note: {note}[/dim]")
+        if (args.bf16 or args.fp16) and self.device_type == "cpu":
+            self.console.print("[dim]note: --bf16/--fp16 on a CPU: most CPUs have no fast 16-bit matmuls, so this runs "
+                               "slower than fp32 (measured ~9x on a 2-core AVX2 machine); it is meant for GPUs[/dim]")
         if not args.swiglu:
             self.console.print("[dim]note: dtmega's Llama uses SwiGLU (Megatron's default MLP is GeLU)[/dim]")
-        self.shape = run_shape(args, world)
-        self.tokenizer_spec = tokenizer_spec(args)
-        self.tokenizer = build_tokenizer(self.tokenizer_spec)
-        self.config = model_config(args, self.tokenizer.vocab_size)
-        if args.load:
-            self.config = vocab_from_checkpoint(args.load, self.config, self.tokenizer.vocab_size, self.shape.tp)
-        self.unigram_entropy = check_data_vocab(args, self.config.vocab_size)
-        self.plan = build_plan(args, self.shape, self.config.n_layers)
+        self.shape, self.tokenizer_spec, self.tokenizer = run.shape, run.tokenizer_spec, run.tokenizer
+        self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy
         g = self.shape.global_batch
         sizes = {"train": args.train_iters * g, "valid": args.eval_iters * g, "test": args.eval_iters * g}
         self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
@@ -273,11 +234,14 @@ class Trainer:
         return result
 
 
-def train(argv: list[str], mesh=None) -> TrainResult:
+def train(argv: list[str], mesh=None) -> TrainResult | None:
     """Runs `dtmega train` with command-line style arguments. `mesh` (of the sizes the arguments
     ask for) reuses a mesh across runs in one process: each new mesh adds process groups whose
-    gloo threads slow every later collective."""
+    gloo threads slow every later collective. With --dry-run, checks the run and returns None."""
     args, notes = parse_train_args(argv)
+    if args.dry_run is not None:
+        dry_run(args, notes)
+        return None
     return Trainer(args, notes, mesh=mesh).run()
 
 

@@ -72,14 +72,14 @@ def test_validation_loss_equals_evaluate_on_one_rank_and_four(corpus, twenty_ste
     assert step == 20
     from dtmega.train.evaluate import main as evaluate
 
-    four = evaluate(["--load", str(save), "--data-path", corpus, "--split", "90,10,0", "--eval-iters", "2",
-                     "--micro-batch-size", "2", "--global-batch-size", "8", "--tensor-model-parallel-size", "2"])
+    # No --split/--eval-iters/--global-batch-size: on the run's own data evaluate defaults to the
+    # run's validation settings.
+    four = evaluate(["--load", str(save), "--data-path", corpus, "--tensor-model-parallel-size", "2"])
     # The same TP2 forward on the same weights, only the data-parallel split of the sum differs.
     assert abs(four - val_loss) / val_loss < 1e-6
     outcome = [None]
     if dist.get_rank() == 0:  # a world of one, in its own process
-        command = [sys.executable, "-m", "dtmega", "evaluate", "--load", str(save), "--data-path", corpus,
-                   "--split", "90,10,0", "--eval-iters", "2", "--micro-batch-size", "8"]
+        command = [sys.executable, "-m", "dtmega", "evaluate", "--load", str(save), "--data-path", corpus]
         done = subprocess.run(command, capture_output=True, text=True, timeout=240,
                               env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
         outcome = [done.stdout + done.stderr]

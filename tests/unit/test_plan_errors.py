@@ -132,3 +132,12 @@ def test_errors_leave_the_model_untouched():
     with pytest.raises(PlanError):
         check(model, dict(tp=2, dp_shard=2), [DataParallel(), TensorParallel()])
     assert {name: (type(p), p.shape) for name, p in model.named_parameters()} == before
+
+
+def test_a_mesh_shape_names_only_the_axes_it_uses():
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name("llama3-8b"))
+    layout = dtmega.check_plan(model, {"tp": 8, "dp_shard": 64}, Plan([TensorParallel(), DataParallel("fsdp")]))
+    assert layout.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "ep": 1, "cp": 1, "tp": 8}
+    with pytest.raises(PlanError, match="mesh axis tp=0 must be a positive integer"):
+        dtmega.check_plan(model, {"tp": 0}, Plan([TensorParallel()]))

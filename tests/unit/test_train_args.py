@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dtmega.models import LlamaConfig
@@ -188,3 +190,23 @@ def test_shipped_configs_build_a_plan_for_four_ranks(name):
     if name == "moe":
         assert config.moe.num_experts == 8 and shape.ep == 2
         assert "ExpertParallel" in [type(p).__name__ for p in plan]
+
+
+def test_model_on_the_command_line_replaces_the_tomls_sizes(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('num_layers = 4\nhidden_size = 256\nnum_attention_heads = 8\nlr = 1e-3\n')
+    args, notes = parse_train_args(["--config", str(config), "--model", "llama3-70b", "--num-layers", "2"])
+    assert (args.hidden_size, args.num_attention_heads, args.num_layers, args.lr) == (8192, 64, 2, 1e-3)
+    assert any("--model llama3-70b replaces" in note and "hidden_size" in note for note in notes)
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "run.toml"
+    args, _ = parse_train_args(["--config", str(shipped), "--model", "llama3-8b"])
+    assert (args.num_layers, args.hidden_size) == (32, 4096)  # run.toml carries no sizes: --model decides
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused_before_any_work():
+    args, _ = parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                "--seq-length", "256", "--max-position-embeddings", "128"])
+    with pytest.raises(ArgumentError, match="--seq-length 256 is longer than --max-position-embeddings 128"):
+        model_config(args, 256)
+    args.max_position_embeddings = None  # the table follows --seq-length
+    assert model_config(args, 256).max_seq_len == 256

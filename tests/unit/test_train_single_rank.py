@@ -111,3 +111,18 @@ def test_console_script_and_module_entry_points():
         assert done.returncode == 0 and "preprocess" in done.stdout and "generate" in done.stdout
     done = subprocess.run([str(script), "fly"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown command 'fly'" in done.stderr
+
+
+def test_a_dry_run_checks_a_launch_for_many_ranks_without_running_it(corpus, tmp_path, capsys):
+    save = tmp_path / "never-written"
+    assert train([*tiny_args(corpus, tensor_model_parallel_size=2, use_distributed_optimizer=True, save=str(save),
+                             global_batch_size=64), "--dry-run", "64"]) is None
+    out = capsys.readouterr().out
+    assert "dry run for 64 ranks" in out and "DP 32 x CP 1 x TP 2" in out and "nothing ran" in out
+    assert not save.exists()
+    # 8 global sequences do not split over 32 data-parallel ranks: refused before anything runs.
+    with pytest.raises(ArgumentError, match="global-batch-size 8 is not divisible"):
+        train([*tiny_args(corpus, tensor_model_parallel_size=2, global_batch_size=8, micro_batch_size=2),
+               "--dry-run", "64"])
+    with pytest.raises(ArgumentError, match="seq-length 64 is longer than --max-position-embeddings 32"):
+        train([*tiny_args(corpus, seq_length=64, max_position_embeddings=32), "--dry-run", "4"])

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
+from dtmega.passes.context_parallel import SequenceSharding  # noqa: E402
 from dtmega.printing import console  # noqa: E402
 
 DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 8, 4, 2, 512
@@ -66,8 +67,9 @@ def worker(seq: int, methods: list[str], steps: int, out: Path) -> None:
         passes = [ContextParallel(method=method), DataParallel("ddp")] if cp > 1 else []
         pm = dtmega.parallelize(model, dtmega.make_mesh(cp=cp, dp_shard=1, device_type="cpu"), Plan(passes))
         pm.init_weights(seed=0)
-        stats = pm.program.state.get("context_parallel", {}).get("stats")
-        fields = pm._shard_sequence(dtmega.batch.unpack_batch(batch))
+        sharding = pm.hook(SequenceSharding)
+        stats = sharding.comm if sharding else None
+        fields = pm.prepare_batch(batch)  # this rank's sequence shard
         activation, _ = saved_activation_bytes(
             lambda: per_token_cross_entropy(pm.forward(fields.tokens, fields.position_ids), fields.labels).sum()
         )

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
+from dtmega.passes.expert_parallel import ExpertDispatch  # noqa: E402
 from dtmega.printing import console  # noqa: E402
 
 DIM, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 256, 4, 8, 8, 2, 512, 512
@@ -67,7 +68,8 @@ def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) 
         pm = dtmega.parallelize(model, mesh, Plan(passes))
         pm.init_weights(seed=0)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-        stats = pm.program.state.get("expert_parallel", {}).get("stats")
+        dispatch = pm.hook(ExpertDispatch)
+        stats = dispatch.comm if dispatch else None
         local = dtmega.synthetic_batch(batch, seq, VOCAB, seed=dist.get_rank())
         fields = dtmega.batch.unpack_batch(local)
         activation, _ = saved_activation_bytes(

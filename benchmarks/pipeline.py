@@ -108,7 +108,7 @@ def measure(schedule: str, microbatches: int, steps: int = 3) -> dict:
     model = SleepModel(layers=pp * v)
     pm = dtmega.parallelize(model, dtmega.make_mesh(pp=pp, dp_shard=1, device_type="cpu"),
                             Plan([PipelineSplit(schedule=schedule, virtual_stages=v, microbatches=microbatches)]))
-    runtime = pm.pipeline()
+    runtime = pm.executor
     busy = [0.0]
 
     def timed(method):

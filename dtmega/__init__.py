@@ -29,6 +29,7 @@ _EXPORTS = {
     "Layout": "dtmega.passes",
     "Plan": "dtmega.passes",
     "PlanError": "dtmega.passes",
+    "Workload": "dtmega.passes",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,39 +6,13 @@ ranks: each is one TensorDict call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from tensordict import TensorDict
 
-from dtmega.passes.errors import PlanError
+from dtmega.passes.runtime import Batch  # noqa: F401  (the unpacked batch; defined with the runtime protocol)
 
 REQUIRED = ("tokens", "labels")
 OPTIONAL = ("loss_mask", "position_ids")
-
-
-@dataclass
-class Batch:
-    """The unpacked, validated fields of a batch."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor | None
-
-    def split(self, microbatches: int) -> list["Batch"]:
-        """Splits dim 0 into `microbatches` equal parts (gradient accumulation, pipelining)."""
-        size = self.tokens.shape[0]
-        if microbatches < 1 or size % microbatches:
-            raise PlanError(
-                f"a batch of {size} sequences cannot be split into {microbatches} equal micro-batches. "
-                f"Fix: make the batch size a multiple of {microbatches}"
-            )
-        parts = [
-            t.chunk(microbatches) if t is not None else [None] * microbatches
-            for t in (self.tokens, self.labels, self.loss_mask, self.position_ids)
-        ]
-        return [Batch(*fields) for fields in zip(*parts)]
 
 
 def make_batch(

@@ -6,6 +6,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 USAGE = """usage: dtmega {preprocess,train,evaluate,generate} [options]
 
@@ -41,15 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(commands[command])
     try:
         module.main(rest)
+        _shut_down_process_group()
     # Every dtmega input error (PlanError, ArgumentError, CheckpointError, InputError,
     # DatasetFormatError, ...) is a ValueError with a message that names the fix.
     except (ValueError, FileNotFoundError) as error:
         if os.environ.get("DTMEGA_TRACEBACK"):
             raise
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one message is enough
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {error}", highlight=False)
+            # The message is printed as text: "pip install 'dtmega[te]'" must not read as markup.
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
+                                                       highlight=False)
         return 2
     return 0
+
+
+def _shut_down_process_group() -> None:
+    """Joins the process group's background threads before the interpreter exits (a gloo thread
+    still running at exit can abort a finished job: "terminate called without an active
+    exception")."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

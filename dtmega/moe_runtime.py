@@ -10,26 +10,55 @@ import torch.distributed as dist
 from dtmega.models.moe import MoE, moe_layers, update_expert_bias
 from dtmega.models.router import TokenGroups
 from dtmega.passes import Program
+from dtmega.passes.results import ContextSharding, PipelineStages
+from dtmega.passes.runtime import RuntimeHook, StepContext
 
 
-class MoERuntime:
-    """The dtmega MoE layers on this rank, wired to the plan's process groups."""
+def moe_hooks(program: Program) -> list[RuntimeHook]:
+    """The dtmega model family's run-time hooks: one MoERuntime if the model has MoE layers."""
+    runtime = MoERuntime(program)
+    return [runtime] if runtime.layers else []
+
+
+class MoERuntime(RuntimeHook):
+    """The dtmega MoE layers on this rank, wired to the plan's process groups: the balancing
+    losses scaled and added to the step's loss, the expert-bias step after the optimizer, and
+    per-expert load statistics."""
 
     def __init__(self, program: Program):
         self.program = program
         self.layers: list[tuple[str, MoE]] = [item for part in program.parts for item in moe_layers(part)]
         self.batch_group = self.sequence_group = None
+        self.last_loss = torch.zeros(())  # the balancing-loss part of the last step's loss
+        self._before = torch.zeros(())
         if self.layers and program.mesh is not None:
             if program.data_size() > 1:
                 self.batch_group = program.flat_submesh(program.data_axes()).get_group()
-            context = program.state.get("context_parallel")
-            if context and context["size"] > 1:
-                self.sequence_group = program.submesh(context["axis"]).get_group()
+            context = program.result(ContextSharding)
+            if context and context.size > 1:
+                self.sequence_group = program.submesh(context.axis).get_group()
             for _, layer in self.layers:
                 layer.groups = TokenGroups(self.batch_group, self.sequence_group)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
+
+    # ---- the RuntimeHook protocol -------------------------------------------------------------
+    def begin_step(self, step: StepContext) -> None:
+        # The balancing losses are per micro-batch: the objective averages them over the step's.
+        self.set_loss_scale(step.ranks * step.loss_scale / step.microbatches)
+        self._before = self.local_loss()
+
+    def extra_loss(self, step: StepContext) -> torch.Tensor:
+        loss = self.global_loss(self.local_loss() - self._before) / step.microbatches
+        self.last_loss = loss.detach()
+        return loss.to(self.program.mesh.device_type)
+
+    def after_optimizer_step(self) -> None:
+        self.update_expert_bias()
+
+    def stats(self) -> dict:
+        return {"moe": self.pop_stats()}
 
     def set_loss_scale(self, scale: float) -> None:
         """The gradient the balancing losses get (as the LM loss's per-token scale)."""
@@ -45,8 +74,8 @@ class MoERuntime:
         return total
 
     def _pipeline_group(self):
-        pipeline = self.program.state.get("pipeline")
-        return self.program.submesh(pipeline["axis"]).get_group() if pipeline else None
+        pipeline = self.program.result(PipelineStages)
+        return self.program.submesh(pipeline.axis).get_group() if pipeline else None
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's share: the unsharded model's balancing losses."""

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtmega.parallel_model import ParallelModel
-from dtmega.passes import Layout, PassManager, Plan, PlanError, Program
+from dtmega.passes import Layout, PassManager, Plan, PlanError, Program, Workload
 
 
 def _as_plan(plan: Plan | list) -> Plan:
@@ -17,15 +17,18 @@ def _as_plan(plan: Plan | list) -> Plan:
     raise PlanError(f"plan must be a dtmega.Plan (or a list of passes), got {type(plan).__name__}")
 
 
-def check_plan(model: nn.Module, mesh: DeviceMesh | dict[str, int], plan: Plan | list) -> Layout:
+def check_plan(model: nn.Module, mesh: DeviceMesh | dict[str, int], plan: Plan | list,
+               workload: Workload | None = None) -> Layout:
     """Annotates `plan` on `model` without touching a tensor or a process group and returns the
-    layout. `mesh` may be {axis: size}: a plan for 1024 ranks is checked on a laptop."""
-    program = Program.build(model, mesh)
+    layout. `mesh` may be {axis: size} (axes left out have size 1): a plan for 1024 ranks is
+    checked on a laptop. With a `workload` (sequence length, micro-batch), the checks that need
+    the step's shapes run too."""
+    program = Program.build(model, mesh, workload)
     PassManager(_as_plan(plan).passes).annotate(program)
     return program.layout
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan | list) -> ParallelModel:
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan | list, workload: Workload | None = None) -> ParallelModel:
     """Shards `model` (unsharded, possibly on the meta device) over `mesh` as `plan` says.
 
     Every pass annotates first; only when the whole plan checks out is anything materialized,
@@ -35,6 +38,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan | list) -> Parall
     if not isinstance(mesh, DeviceMesh):
         raise PlanError(f"mesh must be a DeviceMesh from dtmega.make_mesh(...), got {type(mesh).__name__}")
     plan = _as_plan(plan)
-    program = Program.build(model, mesh)
+    program = Program.build(model, mesh, workload)
     PassManager(plan.passes).run(program)
     return ParallelModel(program, plan)

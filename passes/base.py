@@ -40,17 +40,28 @@ class Pass:
         raise NotImplementedError
 
     def apply(self, program: Program) -> None:
-        """Materializes the decisions `annotate` wrote (shards, wraps, swaps modules)."""
+        """Materializes the decisions `annotate` wrote (shards, wraps, swaps modules), and adds
+        what the pass does at run time: `program.add_hook(RuntimeHook)` (passes/runtime.py), or
+        `program.executor = ...` to replace the micro-batch loop (pipelining)."""
         raise NotImplementedError
 
     def finalize(self, program: Program) -> None:
-        """Checks that need the whole annotated plan (runs after every `annotate`; pure)."""
+        """Checks that need the whole annotated plan (runs after every `annotate`; pure). With a
+        `program.workload` known, also the checks that need the step's shapes."""
 
     # ---- declarations -------------------------------------------------------------------------
+    # The axis role this pass's `axis` field plays ("tensor", "context", ...; passes/axes.py).
+    role: ClassVar[str | None] = None
+
     def mesh_axes(self) -> tuple[str, ...]:
         """Mesh axes this pass parallelizes over (each axis of size > 1 needs an owner)."""
         axis = getattr(self, "axis", None)
         return (axis,) if axis else ()
+
+    def roles(self) -> dict[str, str]:
+        """{role: axis} this pass claims, so other passes find its axis by role."""
+        axis = getattr(self, "axis", None)
+        return {self.role: axis} if self.role and axis else {}
 
     def _fill(self, capabilities: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(c.format(axis=getattr(self, "axis", "")) for c in capabilities)

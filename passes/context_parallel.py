@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from dtmega.kernels.context_attention import METHODS, context_parallel_attention
-from dtmega.kernels.context_shards import CommStats
+from dtmega.kernels.context_shards import CommStats, token_indices
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
+from dtmega.passes.results import ContextSharding, DataParallelism
+from dtmega.passes.runtime import Batch, RuntimeHook
 
 LOAD_BALANCE = ("zigzag", None)
 _HF_NAMES = itertools.count()
@@ -68,6 +70,7 @@ class ContextParallel(Pass):
     load_balance: str | None = "zigzag"
 
     provides = ("context_parallel@{axis}",)
+    role = "context"
 
     def annotate(self, program: Program) -> None:
         size = program.axis_size(self.axis)
@@ -88,7 +91,7 @@ class ContextParallel(Pass):
                 f"{facts.moe.capacity_factor}), which needs whole sequences on a rank, but ContextParallel splits "
                 "them. Fix: dropless routing (capacity_factor=None) with context parallelism"
             )
-        tp = program.state.get("tensor_parallel", {}).get("tp", 1)
+        tp = program.role_size("tensor")
         if self.method == "a2a" and (facts.n_heads // tp) % size:
             raise PlanError(
                 f"ContextParallel(method='a2a') moves heads between ranks: {facts.n_heads // tp} heads per rank "
@@ -107,44 +110,72 @@ class ContextParallel(Pass):
                         f"{fqn} is {kind}, whose block/document masks context parallelism cannot handle (it "
                         "handles causal and full masks). Fix: build the model with ScaledDotProductAttention"
                     )
-                program.layout[fqn].kernel = f"context_parallel({self.method})"
+                program.layout[fqn].kernel = f"attention.context_parallel.{self.method}"
                 targets.append(fqn)
         else:
             implementation = getattr(program.model.config, "_attn_implementation", "sdpa")
             if implementation not in ("sdpa", "eager"):
                 raise PlanError(f"ContextParallel replaces 'sdpa'/'eager' attention, not {implementation!r}")
             for block in facts.blocks:
-                program.layout[block].kernel = f"context_parallel({self.method})"
+                program.layout[block].kernel = f"attention.context_parallel.{self.method}"
         program.layout[""].inputs[self.axis] = "S(1)"  # tokens (and every activation) sharded on the sequence
-        program.state["context_parallel"] = {
-            "axis": self.axis, "size": size, "method": self.method, "zigzag": self.load_balance == "zigzag",
-            "targets": targets,
-        }
+        program.record(ContextSharding(self.axis, size, self.method, self.load_balance == "zigzag", tuple(targets)))
         program.note(f"ContextParallel({self.method}, cp={size}, load_balance={self.load_balance})")
 
     def finalize(self, program: Program) -> None:
-        if program.axis_size(self.axis) > 1 and "data_parallel" not in program.state:
+        if program.axis_size(self.axis) > 1 and program.result(DataParallelism) is None:
             raise PlanError(
                 "ContextParallel splits every sequence over cp ranks, whose gradients must then be averaged: add "
                 "DataParallel('ddp') (or 'fsdp') to the plan, after ContextParallel"
             )
+        workload, sharding = program.workload, program.require(ContextSharding, "ContextParallel")
+        if workload is not None and workload.seq_len % sharding.parts:
+            how = f"2 x cp = {sharding.parts} (zigzag load balancing)" if sharding.zigzag else f"cp = {sharding.parts}"
+            raise PlanError(
+                f"sequence length {workload.seq_len} is not divisible by {how}. Fix: a sequence length that is a "
+                f"multiple of {sharding.parts}" + (", or ContextParallel(load_balance=None)" if sharding.zigzag else "")
+            )
 
     def apply(self, program: Program) -> None:
-        info = program.state["context_parallel"]
-        group = program.submesh(self.axis).get_group()
-        stats = info.setdefault("stats", CommStats())
-        zigzag = info["zigzag"]
-        for fqn in info["targets"]:
+        sharding = program.require(ContextSharding, "ContextParallel.apply")
+        mesh = program.submesh(self.axis)
+        group, stats = mesh.get_group(), CommStats()
+        program.add_hook(SequenceSharding(sharding, mesh, stats))
+        for fqn in sharding.targets:
             parent_fqn, _, name = fqn.rpartition(".")
             for parent in program.modules_at(parent_fqn):
-                setattr(parent, name, ContextParallelAttention(group, self.method, zigzag, stats))
-        if not info["targets"]:  # Hugging Face: a registered attention implementation
+                setattr(parent, name, ContextParallelAttention(group, self.method, sharding.zigzag, stats))
+        if not sharding.targets:  # Hugging Face: a registered attention implementation
             from transformers import AttentionInterface
 
             key = f"dtmega_context_parallel_{next(_HF_NAMES)}"
-            AttentionInterface.register(key, hf_attention_function(group, self.method, zigzag, stats))
+            AttentionInterface.register(key, hf_attention_function(group, self.method, sharding.zigzag, stats))
             for part in program.parts:
                 part.config._attn_implementation = key
+
+
+class SequenceSharding(RuntimeHook):
+    """Keeps this context-parallel rank's tokens of every sequence (zigzag chunks, positions
+    global) before anything runs; `comm` counts what the attention ops sent."""
+
+    def __init__(self, sharding: ContextSharding, mesh, comm: CommStats):
+        self.sharding, self.rank, self.comm = sharding, mesh.get_local_rank(), comm
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        if self.sharding.size == 1:
+            return batch
+        seq, parts = batch.tokens.shape[1], self.sharding.parts
+        if seq % parts:
+            how = f"2 x cp = {parts} (zigzag load balancing)" if self.sharding.zigzag else f"cp = {parts}"
+            raise ValueError(
+                f"sequence length {seq} is not divisible by {how}. Fix: use a sequence length that is a multiple "
+                f"of {parts}" + (", or ContextParallel(load_balance=None)" if self.sharding.zigzag else "")
+            )
+        index = token_indices(seq, self.sharding.size, self.rank, self.sharding.zigzag, device=batch.tokens.device)
+        positions = batch.position_ids
+        if positions is None:
+            positions = torch.arange(seq, device=batch.tokens.device).expand(batch.tokens.shape)
+        return Batch(*(shard_sequence(t, index) for t in (batch.tokens, batch.labels, batch.loss_mask, positions)))
 
 
 def shard_sequence(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import REPLICATE, shard, shard_dim
 from dtmega.passes.program import Program
+from dtmega.passes.results import DataParallelism, ExpertPlacement, PipelineStages
+from dtmega.passes.runtime import RuntimeHook
 
 MODES = ("fsdp", "hsdp", "ddp")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
@@ -42,6 +44,8 @@ class DataParallel(Pass):
     reduce_dtype: str = "float32"
     reshard_after_forward: bool | None = None
     blocks: str | None = None
+    shard_axis: str = "dp_shard"
+    replicate_axis: str = "dp_replicate"
 
     provides = ("data_parallel",)
     after = ("*",)
@@ -55,29 +59,36 @@ class DataParallel(Pass):
             raise PlanError(f"DataParallel(reduce_dtype={self.reduce_dtype!r}); use one of {REDUCE_DTYPES}")
 
     def mesh_axes(self) -> tuple[str, ...]:
-        return ("dp_shard",) if self.mode == "fsdp" else ("dp_replicate", "dp_shard")
+        return (self.shard_axis,) if self.mode == "fsdp" else (self.replicate_axis, self.shard_axis)
+
+    def roles(self) -> dict[str, str]:
+        return {"data_shard": self.shard_axis, "data_replicate": self.replicate_axis}
 
     def annotate(self, program: Program) -> None:
-        replicas = program.axis_size("dp_replicate")
-        program.axis_size("dp_shard")  # the mesh must have it
+        replicas = program.mesh_shape.get(self.replicate_axis, 1)
+        program.axis_size(self.shard_axis)  # the mesh must have it
         if self.mode == "fsdp" and replicas > 1:
             raise PlanError(
-                f"DataParallel(mode='fsdp') shards over dp_shard only, but the mesh has dp_replicate="
+                f"DataParallel(mode='fsdp') shards over {self.shard_axis} only, but the mesh has {self.replicate_axis}="
                 f"{replicas}. Fix: use mode='hsdp' (shard within, replicate across) or mode='ddp'"
             )
         if self.mode == "hsdp" and replicas == 1:
             raise PlanError(
-                "DataParallel(mode='hsdp') needs dp_replicate > 1 in the mesh; with dp_replicate=1 "
+                f"DataParallel(mode='hsdp') needs {self.replicate_axis} > 1 in the mesh; with {self.replicate_axis}=1 "
                 "it is plain FSDP. Fix: use mode='fsdp' or make_mesh(dp_replicate=...)"
             )
-        experts = set(program.state.get("expert_parallel", {}).get("experts", ()))
+        placement = program.result(ExpertPlacement)
+        experts = set(placement.experts if placement else ())
         blocks = program.blocks(self.blocks)
+        if program.data_size() == 1:
+            self._annotate_one_rank(program)
+            return
         for fqn, param in program.layout.params():
             if self.mode == "ddp":
                 continue
             module = fqn.rpartition(".")[0]
             if self.mode == "hsdp":
-                param.placements["dp_replicate"] = REPLICATE
+                param.placements[self.replicate_axis] = REPLICATE
             # Dense weights shard over every rank with other tokens; experts (already split over
             # ep) over the ranks that hold the same experts.
             axes = self._shard_axes(program, expert=module in experts)
@@ -89,11 +100,23 @@ class DataParallel(Pass):
             entry = program.layout[fqn]
             entry.wrap = self.mode
             entry.precision = precision
-        program.state["data_parallel"] = {"mode": self.mode, "size": program.data_size(context=False)}
+        program.record(DataParallelism(self.mode, program.data_size(context=False), self.shard_axis,
+                                       self.replicate_axis))
         over = " x ".join(f"{axis}={program.mesh_shape[axis]}" for axis in program.data_axes() if
                           program.mesh_shape[axis] > 1) or "1 rank"
         program.note(f"DataParallel({self.mode}) over {over}, {len(blocks)} blocks + root"
                      + (f" + {len(experts)} expert groups" if experts else ""))
+
+    def _annotate_one_rank(self, program: Program) -> None:
+        """One data-parallel rank: nothing to shard, replicate or reduce, so no FSDP/DDP unit
+        (on one rank FSDP2 would still copy every weight in and every gradient out each step).
+        Mixed precision becomes autocast around each forward, as in a plain script: fp32
+        weights, gradients and optimizer state; matmuls in `param_dtype`."""
+        program.layout[""].precision = (f"autocast={_SHORT[self.param_dtype]}" if self.param_dtype != "float32"
+                                        else "param=fp32")
+        program.record(DataParallelism(self.mode, 1, self.shard_axis, self.replicate_axis))
+        program.note(f"DataParallel({self.mode}) over 1 rank: no wrapping"
+                     + (f", autocast to {self.param_dtype}" if self.param_dtype != "float32" else ""))
 
     @staticmethod
     def _expert_shard_dim(program: Program, param, axes: tuple[str, ...]) -> int:
@@ -117,9 +140,10 @@ class DataParallel(Pass):
         return (lambda param: Shard(dims.get(id(param), 0))) if any(dims.values()) else None
 
     def _shard_axes(self, program: Program, *, expert: bool) -> tuple[str, ...]:
-        """The axes of size > 1 FSDP shards over (HSDP: within a replica); dp_shard if none."""
-        axes = [axis for axis in program.data_axes() if axis != "dp_replicate" and program.mesh_shape[axis] > 1]
-        return tuple(axis for axis in axes if not (expert and axis == "ep")) or ("dp_shard",)
+        """The axes of size > 1 FSDP shards over (HSDP: within a replica); the shard axis if none."""
+        expert_axis = program.axes.name("expert")
+        axes = [axis for axis in program.data_axes() if axis != self.replicate_axis and program.mesh_shape[axis] > 1]
+        return tuple(axis for axis in axes if not (expert and axis == expert_axis)) or (self.shard_axis,)
 
     def _mesh(self, program: Program, *, expert: bool = False):
         # Context-parallel ranks hold the same weights and see other tokens: gradients are
@@ -130,27 +154,32 @@ class DataParallel(Pass):
             return program.flat_submesh(shard_axes)
         if self.mode == "hsdp":
             if len(shard_axes) == 1:
-                return program.submesh("dp_replicate", shard_axes[0])
-            replicas = program.mesh_shape["dp_replicate"]
-            flat = program.flat_submesh(("dp_replicate", *shard_axes))
-            return flat._unflatten(0, (replicas, flat.size() // replicas), ("dp_replicate", "_".join(shard_axes)))
-        return program.flat_submesh(("dp_replicate", *shard_axes))
+                return program.submesh(self.replicate_axis, shard_axes[0])
+            replicas = program.mesh_shape[self.replicate_axis]
+            flat = program.flat_submesh((self.replicate_axis, *shard_axes))
+            return flat._unflatten(0, (replicas, flat.size() // replicas), (self.replicate_axis, "_".join(shard_axes)))
+        return program.flat_submesh((self.replicate_axis, *shard_axes))
 
     def apply(self, program: Program) -> None:
-        policy = MixedPrecisionPolicy(
-            param_dtype=None if self.param_dtype == "float32" else _dtype(self.param_dtype),
-            reduce_dtype=_dtype(self.reduce_dtype),
-        )
-        experts = set(program.state.get("expert_parallel", {}).get("experts", ()))
+        if program.data_size() == 1:
+            precision = program.layout[""].precision or ""
+            if precision.startswith("autocast="):
+                dtype = _dtype(self.param_dtype)
+                for part in program.parts:
+                    part.forward = torch.autocast(program.mesh.device_type, dtype=dtype)(part.forward)
+            return
+        placement = program.result(ExpertPlacement)
+        experts = set(placement.experts if placement else ())
         wrapped = [fqn for fqn, entry in program.layout.modules.items() if entry.wrap and fqn]
         wrapped.sort(key=lambda fqn: -fqn.count("."))  # inner units (experts) before their blocks
         reshard = self.reshard_after_forward
-        if reshard is None and "pipeline" in program.state:
+        if reshard is None and program.result(PipelineStages) is not None:
             reshard = False  # micro-batches would all-gather every block again and again
         kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
         dense, expert_mesh = self._mesh(program), self._mesh(program, expert=True) if experts else None
         for fqn in [*wrapped, ""]:
             mesh = expert_mesh if fqn in experts else dense
+            policy = precision_policy(program.layout[fqn].precision)  # the unit's precision, as annotated
             for module in program.modules_at(fqn):
                 if self.mode == "ddp":
                     replicate(module, mesh=mesh, mp_policy=policy)
@@ -171,3 +200,24 @@ class DataParallel(Pass):
                 for fqn, module in part.named_modules():
                     if isinstance(module, FSDPModule) and not (single and fqn in experts):
                         module.set_force_sum_reduction_for_comms(True)
+        program.add_hook(GradientSync(program.parts))
+
+
+def precision_policy(precision: str | None) -> MixedPrecisionPolicy:
+    """FSDP's mixed-precision policy from a layout entry's precision ("param=bf16 reduce=fp32")."""
+    fields = dict(item.split("=", 1) for item in (precision or "").split() if "=" in item)
+    names = {short: name for name, short in _SHORT.items()}
+    param, reduce = names[fields.get("param", "fp32")], names[fields.get("reduce", "fp32")]
+    return MixedPrecisionPolicy(param_dtype=None if param == "float32" else _dtype(param), reduce_dtype=_dtype(reduce))
+
+
+class GradientSync(RuntimeHook):
+    """Gradient accumulation: the data-parallel roots reduce gradients only on the last
+    micro-batch of a step (pipeline schedules manage their own)."""
+
+    def __init__(self, parts):
+        self.roots = [part for part in parts if isinstance(part, FSDPModule)]
+
+    def gradient_sync(self, enabled: bool) -> None:
+        for root in self.roots:
+            root.set_requires_gradient_sync(enabled)

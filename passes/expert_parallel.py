@@ -20,6 +20,8 @@ from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import shard, shard_dim
 from dtmega.passes.program import Program
+from dtmega.passes.results import DataParallelism, ExpertPlacement
+from dtmega.passes.runtime import RuntimeHook
 
 
 @dataclass
@@ -34,6 +36,7 @@ class ExpertParallel(Pass):
     dispatcher: str = "alltoall"
 
     provides = ("expert_parallel@{axis}",)
+    role = "expert"
     after = ("tensor_parallel@*", "sequence_parallel@*")
 
     def annotate(self, program: Program) -> None:
@@ -69,25 +72,24 @@ class ExpertParallel(Pass):
             entry = program.layout[moe.experts_at(layer)]
             for name in moe.expert_params:
                 entry.params[name].placements[self.axis] = shard(0)
-            entry.kernel = f"expert_parallel({self.dispatcher})"
+            entry.kernel = f"moe.dispatch.{self.dispatcher}"
             entry.options = {**entry.options, "expert_parallel": True}
             experts.append(moe.experts_at(layer))
-        program.state["expert_parallel"] = {"axis": self.axis, "size": size, "experts": experts,
-                                            "dispatcher": self.dispatcher}
+        program.record(ExpertPlacement(self.axis, size, tuple(experts), self.dispatcher))
         program.note(f"ExpertParallel({self.dispatcher}, {self.axis}={size}): {moe.num_experts // size} of "
                      f"{moe.num_experts} experts per rank in {len(moe.layers)} layers")
 
     def finalize(self, program: Program) -> None:
-        if program.axis_size(self.axis) > 1 and "data_parallel" not in program.state:
+        if program.axis_size(self.axis) > 1 and program.result(DataParallelism) is None:
             raise PlanError(
                 f"ExpertParallel borrows data-parallel ranks ({self.axis} ranks see different tokens), whose dense "
                 "gradients must then be averaged: add DataParallel('fsdp') (or 'ddp'/'hsdp') to the plan"
             )
 
     def apply(self, program: Program) -> None:
-        info = program.state["expert_parallel"]
         moe = program.facts.moe
-        stats = info.setdefault("stats", CommStats())
+        stats = CommStats()
+        program.add_hook(ExpertDispatch(stats))
         group = program.submesh(self.axis).get_group()
         make = AllToAllDispatcher if self.dispatcher == "alltoall" else AllGatherDispatcher
         for layer in moe.layers:
@@ -100,11 +102,19 @@ class ExpertParallel(Pass):
     def _distribute(self, program: Program, experts: nn.Module, entry) -> None:
         """Shards the expert weights over ep (and tp, where expert tensor parallelism applies)."""
         for name, layout in entry.params.items():
-            axes = [axis for axis in (self.axis, "tp") if shard_dim(layout.placement(axis)) is not None]
+            tensor = program.axes.name("tensor")
+            axes = [axis for axis in (self.axis, tensor) if shard_dim(layout.placement(axis)) is not None]
             mesh = program.submesh(*axes)
             param = getattr(experts, name)
             placements = [Shard(shard_dim(layout.placements[axis])) for axis in mesh.mesh_dim_names]
             sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            if "tp" in axes:
-                experts.tp_mesh = program.submesh("tp")
+            if tensor in axes:
+                experts.tp_mesh = program.submesh(tensor)
+
+
+class ExpertDispatch(RuntimeHook):
+    """The token dispatchers' traffic: `comm` counts what they sent."""
+
+    def __init__(self, comm: CommStats):
+        self.comm = comm

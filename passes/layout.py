@@ -74,6 +74,7 @@ class ModuleLayout:
     virtual_stage: int | None = None
     recompute: str | None = None
     kernel: str | None = None
+    compiled: str | None = None
     precision: str | None = None
     wrap: str | None = None
 
@@ -104,6 +105,8 @@ class Layout:
     # Pipeline: which pp rank holds each stage (the stage's index in this list), and the axis.
     stage_ranks: list[int] | None = None
     stage_axis: str = "pp"
+    # The passes' typed results as plain data, by result type name (see passes/results.py).
+    results: dict[str, dict] = field(default_factory=dict)
 
     def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
         if entry.stage is None or self.stage_ranks is None:
@@ -191,6 +194,8 @@ class Layout:
         data = {"mesh": dict(self.mesh), "modules": modules}
         if self.stage_ranks is not None:
             data["pipeline"] = {"axis": self.stage_axis, "stage_ranks": list(self.stage_ranks)}
+        if self.results:
+            data["results"] = {name: dict(values) for name, values in self.results.items()}
         return data
 
     @classmethod
@@ -214,7 +219,7 @@ class Layout:
             modules[fqn] = ModuleLayout(**{**entry, "params": params})
         pipeline = data.get("pipeline", {})
         return cls(mesh=dict(data["mesh"]), modules=modules, stage_ranks=pipeline.get("stage_ranks"),
-                   stage_axis=pipeline.get("axis", "pp"))
+                   stage_axis=pipeline.get("axis", "pp"), results=dict(data.get("results", {})))
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """TOML text of the layout; also written to `path` if given."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dtmega.kernels.registry import kernel_spec, kernels_for
+from dtmega.passes.axes import MeshAxes
 from dtmega.passes.base import Pass, matches_capability
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
@@ -74,6 +76,36 @@ def check_axes(passes: Sequence[Pass], mesh_shape: dict[str, int]) -> None:
             )
 
 
+def check_workload(program: Program) -> None:
+    """What the step's shapes demand of the model itself (each pass checks its own in finalize)."""
+    workload = program.workload
+    if workload is None or program.family is None:
+        return
+    limit = program.facts.max_positions
+    if limit is not None and workload.seq_len > limit:
+        raise PlanError(
+            f"sequence length {workload.seq_len} is longer than the model's position table ({limit} positions). "
+            f"Fix: a model config with at least {workload.seq_len} positions (--max-position-embeddings), or "
+            "shorter sequences"
+        )
+
+
+def check_kernels(program: Program, device_type: str | None) -> None:
+    """Every kernel the layout names is registered and, on `device_type`, can run there."""
+    for fqn, entry in program.layout.modules.items():
+        if entry.kernel is None:
+            continue
+        try:
+            spec = kernel_spec(entry.kernel)
+        except KeyError as error:
+            raise PlanError(f"{fqn or '<root>'}: {error.args[0]}. Fix: register it with "
+                            "dtmega.kernels.register_kernel, or choose a registered one") from None
+        reason = spec.unavailable(device_type)
+        if reason:
+            raise PlanError(f"{fqn or '<root>'}: {reason}. Fix: choose another kernel for {spec.op} "
+                            f"({', '.join(k.name for k in kernels_for(spec.op))})")
+
+
 class PassManager:
     """Runs a sequence of passes over a program: checks, annotate all, apply all."""
 
@@ -87,16 +119,20 @@ class PassManager:
         """Checks the plan and writes the whole layout. Pure: no tensor is touched."""
         check_order(self.passes)
         check_axes(self.passes, program.mesh_shape)
+        program.axes = MeshAxes.from_passes(self.passes, program.mesh_shape)
         for current in self.passes:
             current.annotate(program)
             program.note(f"annotated {current.name}")
         for current in self.passes:
             current.finalize(program)
+        check_kernels(program, device_type=None)
+        check_workload(program)
 
     def apply(self, program: Program) -> None:
         """Materializes the annotated layout, pass by pass in plan order."""
         if program.mesh is None:
             raise RuntimeError("apply needs a DeviceMesh; this program was built for annotation only")
+        check_kernels(program, device_type=program.mesh.device_type)
         for current in sorted(self.passes, key=lambda p: not p.structural):  # stable: plan order otherwise
             current.apply(program)
             program.note(f"applied {current.name}")

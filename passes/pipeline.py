@@ -3,7 +3,7 @@
 `annotate` assigns every module to a stage (even, uneven first/last, embedding and loss counted
 as layers, or an explicit layout string) and checks the schedule's constraints; `apply` prunes a
 meta-device copy of the model down to each local stage (same FQNs, other stages' parameters
-never materialized). `dtmega.pipeline_runtime` drives the stages with torch's schedules.
+never materialized). `passes/pipeline_runtime.py` drives the stages with torch's schedules.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
+from dtmega.passes.pipeline_runtime import PipelineExecutor, check_microbatches
 from dtmega.passes.program import Program
+from dtmega.passes.results import PipelineStages
 
 # name -> (torch schedule class name, how stages map to ranks)
 SCHEDULES = {
@@ -90,6 +92,7 @@ class PipelineSplit(Pass):
     layout: str | None = None
 
     provides = ("pipeline@{axis}",)
+    role = "pipeline"
     structural = True
 
     # ---- checks -------------------------------------------------------------------------------
@@ -109,21 +112,7 @@ class PipelineSplit(Pass):
 
     def check_microbatches(self, microbatches: int, pp: int) -> None:
         """The schedule's demands on the number of micro-batches (also checked per step)."""
-        stages = pp * self.virtual_stages
-        if microbatches < 1:
-            raise PlanError(f"microbatches={microbatches} must be positive")
-        if self.schedule in ("1f1b", "dualpipev") and microbatches < stages:
-            raise PlanError(
-                f"schedule {self.schedule!r} needs at least as many micro-batches as stages: {microbatches} < "
-                f"{stages}. Fix: use >= {stages} micro-batches (a bigger batch or smaller micro-batches)"
-            )
-        if self.schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-            rounds = max(1, microbatches // pp)
-            if microbatches % rounds:
-                raise PlanError(
-                    f"schedule {self.schedule!r} needs the micro-batches ({microbatches}) to be a multiple of their "
-                    f"rounds ({rounds}); use a multiple of pp={pp}"
-                )
+        check_microbatches(self.schedule, self.virtual_stages, microbatches, pp)
 
     def _stage_sizes(self, stages: int, n_layers: int) -> list[tuple[int, bool, bool]]:
         if self.layout:
@@ -205,11 +194,10 @@ class PipelineSplit(Pass):
         for head in (facts.final_norm, facts.output):
             self._mark(program, head, stages - 1, virtual[-1])
         program.layout.stage_ranks, program.layout.stage_axis = ranks, self.axis
-        program.state["pipeline"] = {
-            "axis": self.axis, "schedule": self.schedule, "torch_schedule": torch_name, "placement": placement,
-            "stages": stages, "rank_of_stage": ranks, "blocks": assignment,
-            "microbatches": self.microbatches or stages, "split": self,
-        }
+        program.record(PipelineStages(
+            self.axis, self.schedule, torch_name, placement, stages, self.virtual_stages, tuple(ranks),
+            tuple(tuple(a) for a in assignment), self.microbatches or stages,
+        ))
         program.note(f"PipelineSplit({self.schedule}): {stages} stages, blocks per stage {[len(a) for a in assignment]}")
 
     @staticmethod
@@ -218,32 +206,37 @@ class PipelineSplit(Pass):
             if name == fqn or name.startswith(fqn + "."):
                 entry.stage, entry.virtual_stage = stage, virtual_stage
 
+    def finalize(self, program: Program) -> None:
+        workload, stages = program.workload, program.require(PipelineStages, "PipelineSplit")
+        if workload is not None and workload.microbatches is not None:
+            check_microbatches(stages.schedule, stages.virtual_stages, workload.microbatches,
+                               program.axis_size(self.axis))
+
     def apply(self, program: Program) -> None:
-        info = program.state["pipeline"]
+        info = program.require(PipelineStages, "PipelineSplit.apply")
         pp_mesh = program.submesh(self.axis)
-        rank = pp_mesh.get_local_rank()
-        local = [s for s, r in enumerate(info["rank_of_stage"]) if r == rank]
+        local = info.local_stages(pp_mesh.get_local_rank())
         facts = program.facts
         boundary = _boundary_placement(program)
-        tp_mesh = program.submesh("tp") if boundary is not None else None
+        tp_mesh = program.submesh(program.axes.name("tensor")) if boundary is not None else None
         parts = []
         for stage in local:
             part = copy.deepcopy(program.model)
-            keep = set(info["blocks"][stage])
+            keep = set(info.blocks[stage])
             for block in facts.blocks:
                 if block not in keep:
                     container, _, name = block.rpartition(".")
                     del part.get_submodule(container)[name]
             if stage != 0:
                 _drop(part, facts.embedding)
-            if stage != info["stages"] - 1:
+            if stage != info.stages - 1:
                 _drop(part, facts.final_norm)
                 _drop(part, facts.output)
             _install_boundary_hooks(part, first=stage == 0, boundary=boundary, tp_mesh=tp_mesh)
             parts.append(part)
         program.parts = parts
-        info["local_stages"] = local
-        program.note(f"PipelineSplit: pp rank {rank} holds stages {local}")
+        program.executor = PipelineExecutor(program, local)
+        program.note(f"PipelineSplit: pp rank {pp_mesh.get_local_rank()} holds stages {local}")
 
 
 def _drop(part: nn.Module, fqn: str) -> None:
@@ -273,7 +266,7 @@ def _install_boundary_hooks(part: nn.Module, *, first: bool, boundary, tp_mesh) 
     # tensor the size of the logits on the last stage, so this one warning is silenced for
     # the stage's own class instead.
     warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \((FSDP)?{type(part).__name__}\) returned a view tensor",
+        "ignore", message=rf"FSDP2-wrapped module \((FSDP|Replicate)?{type(part).__name__}\) returned a view tensor",
         category=UserWarning,
     )
     if first or boundary is None:

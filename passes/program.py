@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TypeVar
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtmega.passes.axes import complete_mesh_shape
+from dtmega.passes.axes import MeshAxes, complete_mesh_shape
 from dtmega.passes.errors import PlanError
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, known_families
 from dtmega.passes.layout import Layout
+from dtmega.passes.results import ContextSharding, PassResult
 from dtmega.passes.rules import glob_match
+from dtmega.passes.workload import Workload
 
-# Axes over which the global batch's sequences are split. Expert parallelism borrows its ranks
-# from data parallelism, so `ep` is one of them; context parallelism splits each sequence.
-BATCH_AXES = ("dp_replicate", "dp_shard", "ep")
+R = TypeVar("R", bound=PassResult)
 
 
 def mesh_shape_of(mesh: DeviceMesh | dict[str, int]) -> dict[str, int]:
@@ -48,16 +48,27 @@ class Program:
     layout: Layout = None  # type: ignore[assignment]
     family: ModelFamily | None = None
     log: list[str] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)
+    # Typed results the passes recorded (`record` / `result`), one per type.
+    results: dict[type, PassResult] = field(default_factory=dict)
+    # Which mesh axis plays which role; set by the PassManager from the plan's passes.
+    axes: MeshAxes = None  # type: ignore[assignment]
+    # The shapes a step will run (sequence length, micro-batch), when known before launch.
+    workload: Workload | None = None
     # What this rank materializes: the model, or its pipeline stages (same FQNs, pruned).
     parts: list[nn.Module] = field(default_factory=list)
+    # Run time (set by the passes' apply): hooks into every step, and the executor that runs
+    # a step's micro-batches (None: the plain micro-batch loop). See passes/runtime.py.
+    hooks: list = field(default_factory=list)
+    executor: object = None
 
     def __post_init__(self) -> None:
         if not self.parts:
             self.parts = [self.model]
+        if self.axes is None:
+            self.axes = MeshAxes({}, self.mesh_shape)
 
     @classmethod
-    def build(cls, model: nn.Module, mesh: DeviceMesh | dict[str, int]) -> "Program":
+    def build(cls, model: nn.Module, mesh: DeviceMesh | dict[str, int], workload: Workload | None = None) -> "Program":
         """A program for `model` on `mesh` (a DeviceMesh, or {axis: size} to annotate only)."""
         shape = mesh_shape_of(mesh)
         return cls(
@@ -66,7 +77,34 @@ class Program:
             mesh=None if isinstance(mesh, dict) else mesh,
             layout=Layout.from_module(model, shape),
             family=family_of(model),
+            workload=workload,
         )
+
+    # ---- results --------------------------------------------------------------------------------
+    def record(self, result: PassResult) -> None:
+        """Records a pass's typed result (replacing one of the same type); it is also written
+        into the layout, so a saved layout carries it."""
+        self.results[type(result)] = result
+        self.layout.results[type(result).__name__] = result.to_dict()
+
+    def result(self, kind: type[R]) -> R | None:
+        """The recorded result of type `kind`, or None if no pass recorded one."""
+        return self.results.get(kind)  # type: ignore[return-value]
+
+    def add_hook(self, hook) -> None:
+        """Adds a `RuntimeHook` to every step of the parallelized model."""
+        self.hooks.append(hook)
+
+    def hook(self, kind: type):
+        """The first runtime hook of type `kind`, or None."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
+
+    def require(self, kind: type[R], who: str) -> R:
+        """The recorded result of type `kind`; RuntimeError naming `who` needs it otherwise."""
+        found = self.result(kind)
+        if found is None:
+            raise RuntimeError(f"{who} needs a {kind.__name__} result, which no pass recorded")
+        return found
 
     # ---- facts --------------------------------------------------------------------------------
     @cached_property
@@ -106,6 +144,10 @@ class Program:
             raise PlanError(f"mesh has no axis {axis!r}; its axes are {list(self.mesh_shape)}")
         return self.mesh_shape[axis]
 
+    def role_size(self, role: str) -> int:
+        """Size of the axis playing `role` ("tensor", "context", ...; 1 if the mesh lacks it)."""
+        return self.axes.size(role)
+
     def submesh(self, *axes: str, flatten: str | None = None) -> DeviceMesh:
         """The DeviceMesh over `axes` (apply-time only); with `flatten`, those axes merged into
         one 1-D axis of that name (e.g. the data-parallel ranks as one group)."""
@@ -115,9 +157,9 @@ class Program:
 
     def data_axes(self, *, context: bool = True) -> tuple[str, ...]:
         """The mesh axes whose ranks hold different tokens of the global batch: the batch axes,
-        and `cp` when context parallelism splits sequences (`context`)."""
-        axes = BATCH_AXES + (("cp",) if context and "context_parallel" in self.state else ())
-        return tuple(axis for axis in axes if axis in self.mesh_shape)
+        and the context axis when context parallelism splits sequences (`context`)."""
+        sharding = self.result(ContextSharding) if context else None
+        return self.axes.batch_axes() + ((sharding.axis,) if sharding and sharding.axis in self.mesh_shape else ())
 
     def data_size(self, *, context: bool = True) -> int:
         """Number of ranks holding different tokens (see `data_axes`)."""

@@ -52,7 +52,12 @@ class Recompute(Pass):
                 f"use every <= {len(blocks)}"
             )
         for fqn in chosen:
-            program.layout[self._target(program, fqn)].recompute = self.policy
+            target = self._target(program, fqn)
+            entry = program.layout[target]
+            entry.recompute = self.policy
+            module = program.modules[target]
+            if self.policy == "selective" and entry.kernel is None and _core_key(module) in ATTENTION_CORES:
+                entry.kernel = "attention.recomputed"  # the op that saves only q, k, v
         program.note(f"Recompute({self.policy}): {len(chosen)} of {len(blocks)} blocks")
 
     def _target(self, program: Program, block: str) -> str:
@@ -75,8 +80,10 @@ class Recompute(Pass):
             for module in program.modules_at(fqn):
                 if entry.recompute == "full":
                     checkpoint(module)  # composable: FSDP's hooks re-gather the block's weights in recompute
+                elif entry.recompute == "selective" and entry.kernel == "attention.recomputed":
+                    module.forward = ATTENTION_CORES[_core_key(module)](module)
                 elif entry.recompute == "selective":
-                    recompute_attention_core(module)
+                    checkpoint_forward(module)  # another core (e.g. context-parallel attention)
 
 
 def _dtmega_core(module: nn.Module):
@@ -112,15 +119,8 @@ ATTENTION_CORES = {
 }
 
 
-def recompute_attention_core(module: nn.Module) -> None:
-    """Megatron's selective recompute of one attention core: keep only q, k, v and recompute
-    the attention in backward. Known cores (dtmega's, torchtitan's SDPA) run the
-    `recomputed_attention` op; any other core (e.g. context-parallel attention) is checkpointed."""
-    make = ATTENTION_CORES.get((type(module).__module__, type(module).__name__))
-    if make is None:
-        checkpoint_forward(module)
-    else:
-        module.forward = make(module)
+def _core_key(module: nn.Module) -> tuple[str, str]:
+    return type(module).__module__, type(module).__name__
 
 
 def checkpoint_forward(module: nn.Module) -> None:

@@ -37,7 +37,7 @@ def _params_text(entry: "ModuleLayout") -> str:
 
 
 def _is_interesting(entry: "ModuleLayout") -> bool:
-    return bool(entry.params or entry.style or entry.recompute or entry.wrap or entry.kernel)
+    return bool(entry.params or entry.style or entry.recompute or entry.wrap or entry.kernel or entry.compiled)
 
 
 def layout_table(layout: "Layout", *, fold: bool = True, title: str | None = None) -> Table:
@@ -64,7 +64,8 @@ def layout_table(layout: "Layout", *, fold: bool = True, title: str | None = Non
         rows.append((
             name, entry.type, _params_text(entry), _axes_text(entry.inputs) if entry.inputs else "",
             _axes_text(entry.outputs) if entry.outputs else "", stage, entry.recompute or "",
-            entry.kernel or "", entry.precision or "", human_bytes(entry.local_bytes(layout.mesh)),
+            " ".join(filter(None, (entry.kernel, f"compiled({entry.compiled})" if entry.compiled else None))),
+            entry.precision or "", human_bytes(entry.local_bytes(layout.mesh)),
         ))
     # Columns no entry uses (e.g. stage before pipelining) are left out to keep the table narrow.
     keep = [i for i, column in enumerate(columns) if i < 2 or column == "bytes/rank" or any(row[i] for row in rows)]

@@ -65,7 +65,34 @@ class SequenceParallel(Pass):
             style(rule.style, "sequence_parallel").annotate(
                 entry, program.modules[fqn], self.axis, program.mesh_shape[self.axis], dict(rule.options)
             )
+            if rule.style == "gather_input" and not self._rejoins_residual(program, fqn):
+                entry.outputs[self.axis] = f"{REPLICATE}->{SEQ}"
+        if program.family is not None and self.builtin_rules:
+            self._enter_and_leave(program)
         program.note(f"SequenceParallel({self.axis}): {len(chosen)} modules on sequence shards")
+
+    def _enter_and_leave(self, program: Program) -> None:
+        """Where the residual stream enters and leaves the sequence-sharded region when tensor
+        parallelism left the embedding or the output layer whole (a TP layout of one's own):
+        the embedding's output is split onto the sequence shards, the output layer's input
+        gathered back."""
+        size = program.mesh_shape[self.axis]
+        facts = program.facts
+        for fqn, kind, options in ((facts.embedding, "scatter_output", {}),
+                                   (facts.output, "gather_input", {"args": 1})):
+            entry = program.layout[fqn]
+            if entry.style is None:
+                entry.style = kind
+                style(kind, "sequence_parallel").annotate(entry, program.modules[fqn], self.axis, size, options)
+
+    def _rejoins_residual(self, program: Program, fqn: str) -> bool:
+        """Whether something inside `fqn` reduce-scatters its output onto the sequence dim (a
+        tensor-parallel row-wise linear); if not, the module computes the whole sequence
+        replicated and its output must be split back onto the sequence shards."""
+        return any(
+            name.startswith(f"{fqn}.") and entry.outputs.get(self.axis) == f"{PARTIAL}->{SEQ}"
+            for name, entry in program.layout.modules.items()
+        )
 
     def apply(self, program: Program) -> None:
         count = apply_styles(program, "sequence_parallel", self.axis)

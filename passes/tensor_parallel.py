@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
+from dtmega.passes.results import TensorParallelism
 from dtmega.passes.rules import Rule, resolve_rules
 from dtmega.passes.tp_styles import apply_styles, retie_parameters, style
 
@@ -52,6 +53,7 @@ class TensorParallel(Pass):
     builtin_rules: bool = True
 
     provides = ("tensor_parallel@{axis}",)
+    role = "tensor"
 
     def __post_init__(self) -> None:
         self.rules = [Rule.coerce(r) for r in self.rules]
@@ -86,7 +88,7 @@ class TensorParallel(Pass):
             style(rule.style, "tensor_parallel").annotate(
                 entry, program.modules[fqn], self.axis, size, dict(rule.options)
             )
-        program.state.setdefault("tensor_parallel", {})[self.axis] = size
+        program.record(TensorParallelism(self.axis, size))
         program.note(f"TensorParallel({self.axis}={size}): {len(chosen)} modules sharded")
 
     def apply(self, program: Program) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -34,10 +35,13 @@ LAST = shard(-1)
 
 @dataclass(frozen=True)
 class Style:
-    """A named way to shard one module over one mesh axis."""
+    """A named way to shard one module over one mesh axis: `annotate(entry, module, axis, size,
+    options)` writes the layout entry (pure), `build(entry, axis)` returns the torch
+    `ParallelStyle` that materializes exactly what the entry says. `owner` is the capability
+    of the passes that apply it ("tensor_parallel", "sequence_parallel")."""
 
     name: str
-    owner: str  # the pass that materializes it: "tensor_parallel" or "sequence_parallel"
+    owner: str
     annotate: Callable[[ModuleLayout, nn.Module, str, int, dict[str, Any]], None]
     build: Callable[[ModuleLayout, str], ParallelStyle]
 
@@ -100,6 +104,10 @@ def _annotate_gather_input(entry, module, axis, size, options):
     entry.options = {**entry.options, **options}
 
 
+def _annotate_scatter_output(entry, module, axis, size, options):
+    entry.outputs[axis] = f"{REPLICATE}->{SEQ}"
+
+
 def _annotate_moe(entry, module, axis, size, options):
     # Routing sees every token of the micro-batch on every TP rank; the experts' outputs are
     # reduced inside (expert_hidden), so the layer's output is whole on every rank.
@@ -150,17 +158,23 @@ def _build_sequence_norm(entry, axis):
 
 
 def _build_gather_input(entry, axis):
+    # "R->S(1)" on the output: nothing inside reduce-scatters back to the residual stream (a
+    # module no tensor-parallel style shards), so its whole-sequence output is split here.
+    scatter = entry.outputs.get(axis) == f"{REPLICATE}->{SEQ}"
     if "kwarg" in entry.options:
         name = entry.options["kwarg"]
-        return PrepareModuleInput(
-            input_kwarg_layouts={name: Shard(1)},
-            desired_input_kwarg_layouts={name: Replicate()},
-            use_local_output=True,
-        )
-    rest = (None,) * (int(entry.options["args"]) - 1)
-    return PrepareModuleInput(
-        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
-    )
+        inputs = dict(input_kwarg_layouts={name: Shard(1)}, desired_input_kwarg_layouts={name: Replicate()})
+    else:
+        rest = (None,) * (int(entry.options["args"]) - 1)
+        inputs = dict(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    if not scatter:
+        return PrepareModuleInput(**inputs, use_local_output=True)
+    return PrepareModuleInputOutput(**inputs, use_local_input=True, output_layouts=(Replicate(),),
+                                    desired_output_layouts=(Shard(1),), use_local_output=False)
+
+
+def _build_scatter_output(entry, axis):
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
 
 
 def _build_moe(entry, axis):
@@ -232,6 +246,7 @@ STYLES: dict[str, Style] = {
         Style("output", "tensor_parallel", _annotate_output, _build_output),
         Style("sequence_norm", "sequence_parallel", _annotate_sequence_norm, _build_sequence_norm),
         Style("gather_input", "sequence_parallel", _annotate_gather_input, _build_gather_input),
+        Style("scatter_output", "sequence_parallel", _annotate_scatter_output, _build_scatter_output),
         Style("moe", "tensor_parallel", _annotate_moe, _build_moe),
         Style("expert_hidden", "tensor_parallel", _annotate_expert_hidden, _build_expert_hidden),
     )
@@ -245,6 +260,27 @@ RESIDUAL_READERS = ("output",)
 RESIDUAL_BLOCKS = ("moe",)
 
 
+# (style name, kernel name) -> build: the ParallelStyle for an entry whose kernel is that one
+# (e.g. a column-wise linear that runs in FP8 casts its input before the all-gather).
+VARIANTS: dict[tuple[str, str], Callable[[ModuleLayout, str], ParallelStyle]] = {}
+
+
+def register_style(new: Style, *, replace: bool = False) -> Style:
+    """Makes a style usable in rules (`Rule("layers.*.mlp.up", "my_style")`) and layouts."""
+    if new.name in STYLES and not replace and STYLES[new.name] != new:
+        raise PlanError(f"a style named {new.name!r} is registered already; pass replace=True to replace it")
+    STYLES[new.name] = new
+    return new
+
+
+def register_style_variant(style_name: str, kernel: str, build: Callable[[ModuleLayout, str], ParallelStyle]) -> None:
+    """Builds entries of style `style_name` whose layout kernel is `kernel` with `build` instead
+    of the style's own (a kernel that changes how the module shards: FP8 linears, fused norms)."""
+    if style_name not in STYLES:
+        raise PlanError(f"unknown style {style_name!r}; known styles: {', '.join(sorted(STYLES))}")
+    VARIANTS[(style_name, kernel)] = build
+
+
 def style(name: str, owner: str) -> Style:
     """The style called `name`, checked to belong to pass `owner`."""
     if name not in STYLES:
@@ -255,15 +291,26 @@ def style(name: str, owner: str) -> Style:
     return found
 
 
+def build_style(entry: ModuleLayout, axis: str) -> ParallelStyle:
+    """The ParallelStyle that materializes `entry` on `axis`: its kernel's variant if one is
+    registered, else the style's own."""
+    variant = VARIANTS.get((entry.style, entry.kernel)) if entry.kernel else None
+    return (variant or STYLES[entry.style].build)(entry, axis)
+
+
 def apply_styles(program, owner: str, axis: str) -> int:
-    """Materializes every layout entry whose style `owner` owns, on mesh axis `axis`."""
+    """Materializes every layout entry whose style `owner` owns, on mesh axis `axis` (what
+    TensorParallel and SequenceParallel apply, and the route for a pass of one's own)."""
     mesh = program.submesh(axis)
     count = 0
     for fqn, entry in program.layout.modules.items():
-        if entry.style is None or STYLES[entry.style].owner != owner:
+        if entry.style is None or entry.style not in STYLES or STYLES[entry.style].owner != owner:
             continue
+        if axis not in entry.inputs and axis not in entry.outputs and not any(
+                axis in p.placements for p in entry.params.values()):
+            continue  # annotated for another axis
         for module in program.modules_at(fqn):
-            parallelize_module(module, mesh, STYLES[entry.style].build(entry, axis), src_data_rank=None)
+            parallelize_module(module, mesh, build_style(entry, axis), src_data_rank=None)
             count += 1
     return count
 
@@ -280,6 +327,6 @@ def retie_parameters(program) -> None:
 
 
 __all__ = [
-    "STYLES", "Style", "style", "apply_styles", "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS",
-    "RESIDUAL_BLOCKS",
+    "STYLES", "Style", "style", "apply_styles", "build_style", "register_style", "register_style_variant",
+    "retie_parameters", "RESIDUAL_WRITERS", "RESIDUAL_READERS", "RESIDUAL_BLOCKS",
 ]

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE_LANGUAGES = ("python", "bash", "sh", "toml")
 MARKER = re.compile(r"<!--\s*doc:\s*(run|excerpt|skip)\b\s*(.*?)\s*-->")
-FENCE = re.compile(r"^```(\w*)\s*$")
+FENCE = re.compile(r"^\s*```(\w*)\s*$")
 LOCAL_RANKS = 4  # the most ranks a command may launch here
 SMALL_MODELS = ("debug", "debug-moe")
 
@@ -40,6 +40,9 @@ BENCHMARK_SCALE = {
     "pipeline.py": ["--pp", "2", "--microbatches", "4", "--tick", "0.002"],
     "context.py": ["--seq", "256", "--cp", "1", "2", "--methods", "ring", "--steps", "1"],
     "moe.py": ["--ep", "1", "2", "--dispatchers", "alltoall", "--seq", "64", "--steps", "1"],
+    "gpu_step.py": ["--tiny", "--runs", "plain", "dtmega+kernels"],
+    "kernels.py": ["--tiny"],
+    "fp8_training.py": ["--steps", "4", "--warmup", "1", "--log-interval", "1"],
 }
 # A real training launch that fits runs this many steps, evaluating and saving once.
 TRAIN_CAPS = ["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -79,10 +82,12 @@ def collect_blocks(paths: list[Path] = DOCS) -> list[Block]:
                 index += 1
                 continue
             start, language = index, fence.group(1)
-            end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip().startswith("```"))
             marker = MARKER.search(lines[start - 1]) if start else None
+            indent = len(lines[start]) - len(lines[start].lstrip())
+            code = "\n".join(line[indent:] for line in lines[start + 1:end])
             blocks.append(Block(path, start + 1, language, marker.group(1) if marker else "",
-                                marker.group(2) if marker else "", "\n".join(lines[start + 1:end])))
+                                marker.group(2) if marker else "", code))
             index = end + 1
     return blocks
 

@@ -34,11 +34,18 @@ def _describe(model: Llama) -> ModelFacts:
         final_norm="norm",
         tied_embeddings=c.tie_embeddings,
         moe=moe,
+        max_positions=c.max_seq_len,
     )
 
 
 def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
     return model(tokens, position_ids)
+
+
+def _runtime_hooks(program) -> list:
+    from dtmega.moe_runtime import moe_hooks
+
+    return moe_hooks(program)
 
 
 def _install_dispatcher(moe: nn.Module, dispatcher) -> None:
@@ -80,5 +87,6 @@ DTMEGA_LLAMA = register_family(
         attention_core="attention.core",
         install_dispatcher=_install_dispatcher,
         moe_tensor_parallel=True,
+        runtime_hooks=_runtime_hooks,
     )
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ class TrainArgs:
     """All options of a training run (flag --foo-bar is field foo_bar)."""
 
     # ---- model ----
-    model: str | None = _opt(None, "architecture preset: " + ", ".join(NAMED_CONFIGS))
+    model: str | None = _opt(None, "a registered model: " + ", ".join(NAMED_CONFIGS) + ", or one of your own "
+                                   "(dtmega.models.register_model in a --custom-import module)")
+    custom_import: list[str] = _opt([], "Python modules to import first (they register models, families, passes)")
     num_layers: int | None = _opt(None, "transformer blocks")
     hidden_size: int | None = _opt(None, "model width")
     ffn_hidden_size: int | None = _opt(None, "MLP width (default: Megatron's SwiGLU rule, 8/3 x hidden, multiple of 64)")
@@ -81,6 +84,30 @@ class TrainArgs:
     recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
+    # ---- fused kernels (FuseKernels: Triton on GPUs, the PyTorch references elsewhere) ----
+    cross_entropy_loss_fusion: bool = _opt(False, "output layer + cross entropy in one chunked kernel (logits never "
+                                                  "materialized; vocab-parallel under TP)")
+    cross_entropy_fusion_impl: str = _opt("native", "which fused cross entropy: native (dtmega's kernel); te "
+                                                    "(Transformer Engine's) is refused where it is not installed",
+                                          ("native", "te"))
+    no_rope_fusion: bool = _opt(False, "apply RoPE to q and k with plain PyTorch ops instead of one fused kernel")
+    no_bias_swiglu_fusion: bool = _opt(False, "SwiGLU with plain PyTorch ops instead of the fused kernel")
+    no_rms_norm_fusion: bool = _opt(False, "RMSNorm (and the residual add before it) without the fused kernels")
+    # ---- FP8 (the Float8 pass; docs/fp8.md) ----
+    fp8_format: str | None = _opt(None, "train the blocks' linears in FP8: e4m3 everywhere, or hybrid (e4m3 forward, "
+                                        "e5m2 gradients)", ("e4m3", "hybrid"))
+    fp8_hybrid: bool = _opt(False, "= --fp8-format hybrid")
+    fp8_recipe: str = _opt("delayed", "FP8 scaling", ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"))
+    fp8_amax_history_len: int = _opt(1, "delayed scaling: steps of amax history")
+    fp8_amax_compute_algo: str = _opt("most_recent", "delayed scaling: scale from the history's max or its newest",
+                                      ("max", "most_recent"))
+    fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (the linears run on torchao's Float8Linear; tensorwise)")
+    fp8_min_features: int = _opt(1024, "linears with fewer input or output features stay bf16 (FP8 loses there)")
+    first_last_layers_bf16: bool = _opt(False, "keep the first and last blocks in bf16 under FP8")
+    num_layers_at_start_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the start kept bf16")
+    num_layers_at_end_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the end kept bf16")
+    transformer_impl: str = _opt("local", "local: dtmega's modules (FP8 by its own kernels); transformer_engine: "
+                                          "FP8 linears by Transformer Engine", ("local", "transformer_engine"))
     # ---- mixture of experts ----
     num_experts: int | None = _opt(None, "experts per MoE layer (unset: every block dense)")
     moe_router_topk: int = _opt(2, "experts each token is routed to")
@@ -165,19 +192,19 @@ class TrainArgs:
 # Megatron flags that mean nothing here: accepted, with the reason.
 NOTED_FLAGS = {
     "use_mcore_models": "dtmega has one model implementation",
-    "transformer_impl": "dtmega's Llama is plain PyTorch; kernels are chosen by the plan",
     "use_flash_attn": "attention uses torch's scaled_dot_product_attention, which picks flash kernels itself",
     "disable_bias_linear": "dtmega's Llama has no biases",
-    "no_masked_softmax_fusion": "fusion is torch.compile's job here",
-    "no_bias_swiglu_fusion": "fusion is torch.compile's job here",
+    "no_masked_softmax_fusion": "attention runs torch's fused SDPA kernels (causal masking inside them)",
+    "no_persist_layer_norm": "Apex's persistent LayerNorm does not exist here; --no-rms-norm-fusion turns dtmega's "
+                             "RMSNorm kernel off",
+    "no_gradient_accumulation_fusion": "Megatron fuses weight-gradient accumulation into its GEMMs (Apex/TE); here "
+                                       "FSDP/DDP accumulate gradients between micro-batches in the reduce dtype",
     "distributed_backend": "the backend follows the device (nccl on CUDA, gloo on CPU)",
 }
-_NOTED_WITH_VALUE = {"transformer_impl", "distributed_backend"}
+_NOTED_WITH_VALUE = {"distributed_backend"}
 
 # Megatron flags for features other issues build: rejected with where they are planned.
-PLANNED_FLAGS = {
-    "fp8_format": "FP8 (Transformer Engine)",
-}
+PLANNED_FLAGS: dict[str, str] = {}
 
 
 def _flag(name: str) -> str:
@@ -224,9 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _preset(name: str) -> dict[str, Any]:
-    if name not in NAMED_CONFIGS:
-        raise ArgumentError(f"--model {name!r} is unknown; choose one of {', '.join(NAMED_CONFIGS)}")
-    c = NAMED_CONFIGS[name]
+    from dtmega.models.registry import model_names, model_spec
+
+    try:
+        spec = model_spec(name)
+    except KeyError:
+        raise ArgumentError(
+            f"--model {name!r} is unknown; choose one of {', '.join(model_names())}, or register your own "
+            "(dtmega.models.register_model) in a module passed with --custom-import"
+        ) from None
+    if not spec.size_flags:
+        return {}  # its sizes come from its spec, not from Megatron's size flags
+    c = spec.config
     preset = {
         "num_layers": c.n_layers, "hidden_size": c.dim, "ffn_hidden_size": c.ffn_dim,
         "num_attention_heads": c.n_heads, "group_query_attention": c.n_kv_heads != c.n_heads,
@@ -272,6 +308,12 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
     # Each source's --model applies at that source's level: a preset named on the command line
     # replaces the architecture the TOML describes (a shared run.toml with sizes must not turn
     # `--model llama3-70b` into a silent no-op), and flags still override the preset.
+    for module in [*file_values.get("custom_import", []), *namespace.get("custom_import", [])]:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ArgumentError(f"--custom-import {module}: {error}. Fix: a module importable from here "
+                                "(on PYTHONPATH, or a package installed in this environment)") from None
     if "model" in file_values:
         values.update(_preset(file_values["model"]))
     values.update(file_values)
@@ -282,7 +324,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
             notes.append(f"--model {namespace['model']} replaces {', '.join(replaced)} from {config_path}")
         values.update(preset)
     values.update(namespace)
-    return TrainArgs(**values), notes
+    args = TrainArgs(**values)
+    if args.transformer_impl == "transformer_engine" and not (args.fp8_format or args.fp8_hybrid):
+        notes.append("--transformer-impl transformer_engine: dtmega's own modules run; Transformer Engine backs the "
+                     "FP8 linears only (with --fp8-format)")
+    return args, notes
 
 
 def to_toml_dict(args: TrainArgs) -> dict[str, Any]:

@@ -62,10 +62,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_checkpoint(
     root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-    state: dict[str, Any], tokenizer_json: str | None = None,
+    state: dict[str, Any], tokenizer_json: str | None = None, runtime: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Saves model, optimizer, RNG and `state` (iteration, data position, config, ...) as
-    `root/iter_<iteration>`; collective over every rank."""
+    """Saves model, optimizer, RNG, the plan's run-time state (`runtime`: FP8 amax histories,
+    ...) and `state` (iteration, data position, config, ...) as `root/iter_<iteration>`;
+    collective over every rank."""
     root = Path(root)
     final = root / f"iter_{iteration:07d}"
     partial = root / f".{final.name}.partial"
@@ -76,6 +77,8 @@ def save_checkpoint(
     shards: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
+    if runtime:
+        shards["runtime"] = dict(runtime)
     dcp.save(shards, checkpoint_id=str(partial))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
@@ -149,6 +152,19 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
                 lines.append(f"  ... and {len(names) - 20} more like these")
         lines.append("Fix: build the model with the checkpoint's configuration (its state.json), or load another checkpoint")
         raise CheckpointError("\n".join(lines))
+
+
+def load_runtime_state(path: str | Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The saved run-time state of the keys in `template` that the checkpoint holds (a
+    checkpoint written without FP8 holds none of FP8's: those start fresh)."""
+    checkpoint = resolve_checkpoint(path)
+    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    present = {key: value.clone() for key, value in template.items() if f"runtime.{key}" in saved}
+    if present:
+        shards = {"runtime": present}
+        dcp.load(shards, checkpoint_id=str(checkpoint))
+        present = shards["runtime"]
+    return present
 
 
 def load_checkpoint(

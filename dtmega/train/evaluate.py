@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-iters", type=int, help="global batches to evaluate (default: the run's --eval-iters on its "
                                                   "own data, else the whole split once)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (launch that many ranks)")
+    p.add_argument("--custom-import", nargs="+", default=[], help="modules that register the checkpoint's model")
     return p
 
 
@@ -59,7 +60,8 @@ def settings(a: argparse.Namespace, run: dict, world: int) -> tuple[str, int | N
 def main(argv: list[str]) -> float:
     """Prints and returns the loss."""
     a = build_parser().parse_args(argv)
-    pm, tokenizer, state = restore(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp")
+    pm, tokenizer, state = restore(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp",
+                                   custom_import=a.custom_import)
     seq_length = a.seq_length or state["args"]["seq_length"]
     for _, prefix in parse_data_path(a.data_path):
         stats = read_stats(prefix)

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="1.0 = no nucleus filter")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (launch that many ranks)")
+    p.add_argument("--custom-import", nargs="+", default=[], help="modules that register the checkpoint's model")
     return p
 
 
@@ -86,7 +87,10 @@ def main(argv: list[str]) -> str:
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
-    pm, tokenizer, _ = restore(a.load, tp=a.tensor_model_parallel_size)
+    pm, tokenizer, _ = restore(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
+    if pm.program.facts.family != "dtmega-llama":
+        raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
+                         f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
     pm.eval()
     text = generate(pm.module, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
                     temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dtmega.models.llama_config import LlamaConfig
 from dtmega.printing import console
 
 # Dense peak TFLOP/s from vendor datasheets: (bf16/fp16 tensor core, fp32 without TF32).
@@ -24,15 +23,11 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def flops_per_token(config: LlamaConfig, seq_length: int) -> float:
-    """Model FLOPs per trained token (forward + backward, recompute not counted): 6 x the
-    non-embedding parameters (output layer included) + the attention scores and values,
-    12 x layers x dim x seq (PaLM's accounting)."""
-    embedding = config.vocab_size * config.dim
-    # The input lookup costs no FLOPs; a tied matrix still does the output projection. A token
-    # passes through its top-k experts only.
-    dense = config.num_active_params() - (0 if config.tie_embeddings else embedding)
-    return 6.0 * dense + 12.0 * config.n_layers * config.dim * seq_length
+def flops_per_token(config, seq_length: int, spec=None) -> float:
+    """Model FLOPs per trained token from the model's spec (dtmega's Llama formula by default)."""
+    from dtmega.models.llama_specs import llama_flops_per_token
+
+    return (spec.flops_per_token if spec is not None else llama_flops_per_token)(config, seq_length)
 
 
 def measure_cpu_peak_flops(seconds: float = 0.5, size: int = 1024) -> float:

@@ -4,7 +4,6 @@ dynamic loss scaling. All of it works on DTensor parameters of any plan."""
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,13 +14,16 @@ from torch.distributed.tensor import DTensor
 
 def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
           eps: float) -> torch.optim.AdamW:
-    """AdamW with no weight decay on norms and biases (every 1-D parameter)."""
+    """AdamW with no weight decay on norms and biases (every 1-D parameter); the fused CUDA
+    kernel (one launch for all parameters, DTensor parameters included) where every parameter
+    is on a GPU, torch's foreach implementation elsewhere."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    fused = bool(decay + no_decay) and all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 # Reducing a scalar norm over a 2-D mesh takes two all-reduces; torch warns about it once per
@@ -36,8 +38,9 @@ def _group_key(grad: torch.Tensor):
 
 
 @torch.no_grad()
-def global_grad_norm(parameters, pipeline_group=None) -> float:
-    """The L2 norm of all gradients as if unsharded (identical on every rank).
+def grad_norm(parameters, pipeline_group=None) -> torch.Tensor:
+    """The L2 norm of all gradients as if unsharded, a 0-dim fp32 tensor on the gradients'
+    device (identical on every rank; no host synchronization).
 
     One reduction per (mesh, placements) group of gradients, not one per gradient; with
     pipeline stages, the squared norms of the stages are summed over `pipeline_group`.
@@ -46,18 +49,32 @@ def global_grad_norm(parameters, pipeline_group=None) -> float:
     for param in parameters:
         if param.grad is not None:
             groups[_group_key(param.grad)].append(param.grad)
-    total = 0.0
+    total = None
     for grads in groups.values():
         norms = torch._foreach_norm(grads, 2.0)
         norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total += float(norm) ** 2
+        total = norm.float() ** 2 if total is None else total + norm.float() ** 2
+    if total is None:
+        return torch.zeros(())
     if pipeline_group is not None:
-        summed = torch.tensor(total, dtype=torch.float64)
-        dist.all_reduce(summed, group=pipeline_group)
-        total = float(summed)
-    return math.sqrt(total)
+        dist.all_reduce(total, group=pipeline_group)
+    return total.sqrt()
+
+
+def global_grad_norm(parameters, pipeline_group=None) -> float:
+    """`grad_norm` as a Python float (synchronizes with the device)."""
+    return float(grad_norm(parameters, pipeline_group))
+
+
+@torch.no_grad()
+def clip_grads_(parameters, max_norm: float, norm: torch.Tensor) -> None:
+    """Scales every gradient by min(1, max_norm / norm) on the device (no host synchronization)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if grads:
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, factor.to(grads[0].device))
 
 
 @torch.no_grad()

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from dtmega.data.blend import parse_data_path
 from dtmega.data.indexed import IndexedDataset, read_stats
 from dtmega.data.tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
-from dtmega.models.llama_config import LlamaConfig
-from dtmega.passes import Layout, Plan
+from dtmega.models.registry import ModelSpec, model_spec
+from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import read_state, resolve_checkpoint
 from dtmega.train.setup import (
-    RunShape, build_plan, model_config, reject_unsupported, run_shape, tokenizer_spec,
+    RunShape, build_plan, model_config, padded_vocab, reject_unsupported, run_shape, tokenizer_spec,
 )
 
 
@@ -32,9 +35,47 @@ class RunPlan:
     shape: RunShape
     tokenizer_spec: TokenizerSpec
     tokenizer: Tokenizer
-    config: LlamaConfig
+    config: Any  # the model spec's config (a LlamaConfig for dtmega's Llama)
     plan: Plan
     unigram_entropy: float | None
+    spec: ModelSpec
+
+    def build_model(self, seed: int):
+        """The unsharded model to parallelize (on the meta device, or materialized by seed)."""
+        return self.spec.instantiate(self.config, seed)
+
+
+SIZE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "num_experts")
+
+
+def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
+    """(spec, config) of the model the arguments name: dtmega's Llama from Megatron's size flags
+    (or a size preset), or a registered spec of another model with the tokenizer's vocabulary."""
+    name = args.model or "llama"
+    try:
+        spec = model_spec(name)
+    except KeyError as error:
+        raise ArgumentError(f"--model {name}: {error.args[0]}") from None
+    if spec.size_flags:
+        return spec, model_config(args, tokenizer_vocab)
+    given = [f"--{flag.replace('_', '-')}" for flag in SIZE_FLAGS if getattr(args, flag)]
+    if given:
+        raise ArgumentError(f"--model {name} is a registered {spec.family} model whose sizes come from its spec; "
+                            f"{', '.join(given)} cannot change them. Fix: leave them out, or register another size")
+    return spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args))
+
+
+def layers_of(spec: ModelSpec, config: Any) -> int:
+    """Number of transformer blocks, from the model family's facts (a meta-device build)."""
+    if hasattr(config, "n_layers"):
+        return config.n_layers
+    with torch.device("meta"):
+        model = spec.build(config)
+    family = family_of(model)
+    if family is None:
+        raise ArgumentError(f"no model family knows {type(model).__name__} (model {spec.name}); "
+                            "register one with dtmega.passes.register_family")
+    return family.describe(model).n_layers
 
 
 def prepare_run(args: TrainArgs, world: int) -> RunPlan:
@@ -45,16 +86,35 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     if missing or not args.data_path:
         raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
     shape = run_shape(args, world)
-    spec = tokenizer_spec(args)
-    tokenizer = build_tokenizer(spec)
-    config = model_config(args, tokenizer.vocab_size)
+    token_spec = tokenizer_spec(args)
+    tokenizer = build_tokenizer(token_spec)
+    spec, config = model_of(args, tokenizer.vocab_size)
     if args.load:
-        config = vocab_from_checkpoint(args.load, config, tokenizer.vocab_size, shape.tp)
+        config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
     for _, prefix in parse_data_path(list(args.data_path)):
         IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
-    entropy = check_data_vocab(args, config.vocab_size)
-    plan = build_plan(args, shape, config.n_layers)
-    return RunPlan(shape, spec, tokenizer, config, plan, entropy)
+    entropy = check_data_vocab(args, vocab_size_of(config))
+    plan = build_plan(args, shape, layers_of(spec, config))
+    check_before_launch(spec, config, shape, plan, args)
+    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec)
+
+
+def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> None:
+    """Annotates the whole plan on a meta-device model for this world and these step shapes, so
+    every plan error (divisibility, kernels or backends this machine lacks, sequence lengths)
+    stops the run before any process group, data or device is touched."""
+    import dtmega
+    from dtmega.passes import Workload
+
+    with torch.device("meta"):
+        model = spec.build(config)
+    workload = Workload(args.seq_length, shape.micro_batch, shape.accumulation if shape.pp > 1 else None)
+    dtmega.check_plan(model, shape.mesh_sizes(), plan, workload=workload)
+
+
+def vocab_size_of(config: Any) -> int:
+    """The vocabulary size of a model config (dtmega's `vocab_size`, HF's `vocab_size`)."""
+    return int(config.vocab_size)
 
 
 def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
@@ -75,7 +135,7 @@ def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
     return entropy
 
 
-def vocab_from_checkpoint(load: str, config, tokenizer_vocab: int, tp: int):
+def vocab_from_checkpoint(load: str, spec: ModelSpec, config, tokenizer_vocab: int, tp: int):
     """The checkpoint decides the padded vocabulary (padding depends on the TP size it was
     trained with), so a run may resume under another TP size."""
     saved = read_state(resolve_checkpoint(load))["model_config"]["vocab_size"]
@@ -86,7 +146,7 @@ def vocab_from_checkpoint(load: str, config, tokenizer_vocab: int, tp: int):
             f"the checkpoint's vocabulary ({saved} rows) cannot serve this run: the tokenizer has {tokenizer_vocab} "
             f"tokens and TP {tp} needs a multiple of {tp}"
         )
-    return config.replace(vocab_size=saved)
+    return spec.with_vocab(config, saved)
 
 
 def dry_run_world(args: TrainArgs) -> int:
@@ -100,17 +160,14 @@ def dry_run_world(args: TrainArgs) -> int:
 def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
     """Checks the run for `dry_run_world(args)` ranks on the meta device, prints the layout and
     a summary, and returns the layout. Nothing is allocated and no process group is made."""
-    import torch
-
     import dtmega
-    from dtmega.models import Llama
     from dtmega.passes.render import layout_table
     from dtmega.printing import console
 
     world = dry_run_world(args)
     run = prepare_run(args, world)
-    with torch.device("meta"):
-        model = Llama(run.config)
+    with torch.device("meta"):  # a dry run never materializes weights, whatever the spec does
+        model = run.spec.build(run.config)
     layout = dtmega.check_plan(model, run.shape.mesh_sizes(), run.plan)
     out = console()
     for note in notes:
@@ -119,7 +176,7 @@ def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
     out.print(layout_table(layout, title=f"dry run: {type(model).__name__} on {mesh}"))
     s = run.shape
     out.print(
-        f"dry run for {world} ranks: {run.config.num_params():,} parameters, {layout.local_param_count():,} "
+        f"dry run for {world} ranks: {layout.global_param_count():,} parameters, {layout.local_param_count():,} "
         f"({layout.local_bytes() / 2**30:.2f} GiB) on the first rank | PP {s.pp} x DP {s.dp} x CP {s.cp} x TP {s.tp}"
         + (f" (EP {s.ep})" if s.ep > 1 else "")
         + f" | global batch {s.global_batch} = micro {s.micro_batch} x DP {s.dp} x accumulation {s.accumulation}"

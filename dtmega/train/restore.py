@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-
-import torch
 
 import dtmega
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_json
 from dtmega.mesh import default_device_type
-from dtmega.models import Llama
+from dtmega.models import model_spec
 from dtmega.passes import DataParallel, Plan, TensorParallel
 from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, resolve_checkpoint
-from dtmega.train.setup import config_from_dict
 
 
 def restore(
-    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None
+    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = ()
 ) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
     """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
     tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
-    sub-mesh of a larger job)."""
+    sub-mesh of a larger job); `custom_import` names modules that register the model."""
     checkpoint = resolve_checkpoint(load)
     state = read_state(checkpoint)
-    config = config_from_dict(state["model_config"])
+    for module in custom_import:
+        importlib.import_module(module)
+    name = state.get("model", "llama")  # checkpoints from before model specs hold dtmega Llamas
+    try:
+        spec = model_spec(name)
+    except KeyError as error:
+        raise ValueError(f"{checkpoint} holds a {name!r} model: {error.args[0]}") from None
+    config = spec.config_from_dict(state["model_config"])
     tokenizer_file = checkpoint / TOKENIZER
     if not tokenizer_file.exists():
         raise FileNotFoundError(f"{checkpoint} has no {TOKENIZER}; it was not written by `dtmega train`")
@@ -41,9 +46,11 @@ def restore(
     passes = [TensorParallel()] if tp > 1 else []
     if data_parallel:
         passes.append(DataParallel(data_parallel))
-    with torch.device("meta"):
-        model = Llama(config)
+    model = spec.instantiate(config, seed=0)
+    if spec.materialize == "seeded" and mesh.device_type != "cpu":
+        model.to(mesh.device_type)
     pm = dtmega.parallelize(model, mesh, Plan(passes))
-    pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
+    if spec.materialize == "meta":
+        pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
     load_checkpoint(checkpoint, pm.module, restore_rng=False)
     return pm, tokenizer, state

@@ -6,16 +6,17 @@ runs identically on every rank and every bad combination fails before any collec
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from dtmega.data.tokenizers import TokenizerSpec
 import re
 
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
+from dtmega.models.llama_specs import llama_config_from_dict, llama_config_to_dict
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, Pass, PipelineSplit, Plan, Recompute, SequenceParallel,
+    Compile, ContextParallel, DataParallel, ExpertParallel, Float8, FuseKernels, Pass, PipelineSplit, Plan, Recompute,
+    SequenceParallel,
     TensorParallel,
 )
 from dtmega.train.args import ArgumentError, TrainArgs
@@ -245,9 +246,53 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
         passes.append(pipeline_pass(args, shape, n_layers))
     elif any(getattr(args, f) for f in PIPELINE_ONLY):
         raise ArgumentError(f"pipeline options ({', '.join(_flags(PIPELINE_ONLY, args))}) need --pipeline-model-parallel-size > 1")
+    # None: FuseKernels decides (fused, except inside blocks compiled on a GPU, where inductor's
+    # fusion measured faster); False: off.
+    fusions = dict(rms_norm=False if args.no_rms_norm_fusion else None,
+                   swiglu=False if args.no_bias_swiglu_fusion else None,
+                   rope=False if args.no_rope_fusion else None, cross_entropy=args.cross_entropy_loss_fusion)
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        raise ArgumentError(
+            "--cross-entropy-fusion-impl te: Transformer Engine's fused cross entropy needs transformer-engine, which "
+            "is not supported here. Fix: --cross-entropy-fusion-impl native (dtmega's fused linear cross entropy)"
+        )
+    if any(value is not False for value in fusions.values()):
+        passes.append(FuseKernels(**fusions))
+    float8 = float8_pass(args)
+    if float8 is not None:
+        passes.append(float8)
     precision = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     passes.append(DataParallel(data_parallel_mode(args), param_dtype=precision, reduce_dtype="float32"))
+    if args.compile:
+        passes.append(Compile(backend=args.compile))
     return Plan(passes)
+
+
+def float8_pass(args: TrainArgs) -> Float8 | None:
+    """The Float8 pass Megatron's --fp8-* flags describe (None without --fp8-format/--fp8-hybrid)."""
+    fmt = "hybrid" if args.fp8_hybrid else args.fp8_format
+    if fmt is None:
+        given = [f"--{n.replace('_', '-')}" for n in ("fp8_param_gather", "first_last_layers_bf16") if getattr(args, n)]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} need(s) FP8: add --fp8-format hybrid (or --fp8-hybrid)")
+        return None
+    if args.fp8_hybrid and args.fp8_format not in (None, "hybrid"):
+        raise ArgumentError(f"--fp8-hybrid and --fp8-format {args.fp8_format} disagree; give one of them")
+    keep = args.first_last_layers_bf16
+    return Float8(recipe=args.fp8_recipe, format=fmt,
+                  backend=float8_backend(args),
+                  amax_history_len=args.fp8_amax_history_len, amax_compute_algo=args.fp8_amax_compute_algo,
+                  param_gather=args.fp8_param_gather, min_features=args.fp8_min_features,
+                  first_blocks_bf16=args.num_layers_at_start_in_bf16 if keep else 0,
+                  last_blocks_bf16=args.num_layers_at_end_in_bf16 if keep else 0)
+
+
+def float8_backend(args: TrainArgs) -> str:
+    """Transformer Engine with --transformer-impl transformer_engine; torchao for FP8 all-gather
+    (--fp8-param-gather: torchao's Float8Linear gathers FSDP shards in FP8); else dtmega's own."""
+    if args.transformer_impl == "transformer_engine":
+        return "transformer_engine"
+    return "torchao" if args.fp8_param_gather else "dtmega"
 
 
 PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
@@ -288,14 +333,9 @@ def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
 
 def config_to_dict(config: LlamaConfig) -> dict:
     """LlamaConfig as JSON-ready data."""
-    return dataclasses.asdict(config)
+    return llama_config_to_dict(config)
 
 
 def config_from_dict(data: dict) -> LlamaConfig:
     """Inverse of `config_to_dict`."""
-    data = dict(data)
-    if data.get("rope_scaling") is not None:
-        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    if data.get("moe") is not None:
-        data["moe"] = MoEConfig(**data["moe"])
-    return LlamaConfig(**data)
+    return llama_config_from_dict(data)

@@ -19,14 +19,14 @@ import dtmega
 from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
-from dtmega.models import Llama
+from dtmega.models import count_parameters
+from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
-from dtmega.train.checkpoint import load_checkpoint, save_checkpoint
+from dtmega.train.checkpoint import load_checkpoint, load_runtime_state, save_checkpoint
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
-from dtmega.train.optim import LossScaler, adamw, global_grad_norm, scale_grads
+from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
 from dtmega.train.schedule import LRSchedule
 from dtmega.train.prepare import dry_run, prepare_run
-from dtmega.train.setup import config_to_dict
 
 
 @dataclass
@@ -70,8 +70,9 @@ class Trainer:
         if (args.bf16 or args.fp16) and self.device_type == "cpu":
             self.console.print("[dim]note: --bf16/--fp16 on a CPU: most CPUs have no fast 16-bit matmuls, so this runs "
                                "slower than fp32 (measured ~9x on a 2-core AVX2 machine); it is meant for GPUs[/dim]")
-        if not args.swiglu:
+        if not args.swiglu and run.spec.family == "dtmega-llama":
             self.console.print("[dim]note: dtmega's Llama uses SwiGLU (Megatron's default MLP is GeLU)[/dim]")
+        self.run_plan, self.spec = run, run.spec
         self.shape, self.tokenizer_spec, self.tokenizer = run.shape, run.tokenizer_spec, run.tokenizer
         self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy
         g = self.shape.global_batch
@@ -83,12 +84,13 @@ class Trainer:
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
-        with torch.device("meta"):
-            model = Llama(self.config)
+        model = run.build_model(args.seed)
+        self.num_params = count_parameters(model)
+        if self.spec.materialize == "seeded" and self.device_type != "cpu":
+            model.to(self.device_type)
         self.pm = dtmega.parallelize(model, self.mesh, self.plan)
-        self.pm.init_weights(seed=args.seed)
-        if args.compile:
-            self.pm.compile(backend=args.compile)
+        if self.spec.materialize == "meta":
+            self.pm.init_weights(seed=args.seed)
         self.optimizer = adamw(self.pm.module, lr=args.lr, weight_decay=args.weight_decay,
                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.schedule = LRSchedule(
@@ -104,6 +106,11 @@ class Trainer:
         if args.load:
             state = load_checkpoint(args.load, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
             self.iteration, consumed = state["iteration"], state["consumed_samples"]
+            template = self.pm.runtime_state_dict()
+            missing = self.pm.load_runtime_state_dict(load_runtime_state(args.load, template))
+            if missing:
+                self.console.print(f"[dim]note: {args.load} holds no state for {len(missing)} run-time entries "
+                                   f"(e.g. {missing[0]}: written without FP8?); they start fresh[/dim]")
             if self.scaler and state.get("loss_scaler"):
                 self.scaler.load_state_dict(state["loss_scaler"])
             self.console.print(f"resumed from {args.load} at step {self.iteration} ({consumed} samples consumed)")
@@ -111,39 +118,46 @@ class Trainer:
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
         )
-        self.flops_per_token = flops_per_token(self.config, args.seq_length)
+        self.flops_per_token = flops_per_token(self.config, args.seq_length, self.spec)
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
-        moe_columns = ("moe_loss", "expert_load_max", "dropped") if self.pm.moe else ()
+        self.moe = self.pm.hook(MoERuntime)
+        moe_columns = ("moe_loss", "expert_load_max", "dropped") if self.moe else ()
         self.logger = MetricsLogger(leader=self.leader, tensorboard_dir=args.tensorboard_dir,
                                     log_file=args.log_file, console=self.console,
                                     columns=MetricsLogger.COLUMNS + moe_columns)
 
     # ---- one step -------------------------------------------------------------------------
-    def step(self, batch) -> tuple[float, float, bool]:
-        """Forward, backward, clip, update; returns (loss, grad norm, skipped)."""
+    def step(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
+        """Forward, backward, clip, update; returns (loss, grad norm, skipped) as device values:
+        with bf16/fp32 on GPUs (fused AdamW) nothing here waits for the device, a step whose
+        gradient norm is not finite is skipped by the optimizer kernel itself (`found_inf`)."""
         scale = self.scaler.scale if self.scaler else 1.0
         loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
         params = list(self.pm.parameters())  # after backward: the sharded parameters the optimizer holds
         if scale != 1.0:
             scale_grads(params, 1.0 / scale)
-        grad_norm = global_grad_norm(params, self.pm.pipeline_group())
-        overflow = not math.isfinite(grad_norm)
+        norm = grad_norm(params, self.pm.pipeline_group())
+        finite = torch.isfinite(norm)
+        on_device = self.scaler is None and bool(self.optimizer.defaults.get("fused"))
+        overflow: torch.Tensor | bool = ~finite if on_device else not bool(finite)
         if self.scaler:
-            self.scaler.update(overflow)
-        if not overflow:
-            if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
-                scale_grads(params, self.args.clip_grad / (grad_norm + 1e-6))
+            self.scaler.update(bool(overflow))
+        if on_device:
+            self.optimizer.found_inf = overflow.float()  # fused AdamW skips the update where it is 1
+        if on_device or not overflow:
+            if self.args.clip_grad > 0:
+                clip_grads_(params, self.args.clip_grad, norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.schedule(self.iteration + 1)
             self.optimizer.step()
-            self.pm.update_expert_bias()
+            self.pm.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss), grad_norm, overflow
+        return loss.detach(), norm, overflow
 
     def _state(self) -> dict:
         return {
             "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples,
-            "world_size": self.shape.world, "model_config": config_to_dict(self.config),
+            "world_size": self.shape.world, "model": self.spec.name, "model_config": self.spec.config_to_dict(self.config),
             "args": to_toml_dict(self.args), "plan": self.plan.to_toml(),
             "tokenizer": self.tokenizer_spec.to_dict(),
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -151,7 +165,7 @@ class Trainer:
 
     def save(self) -> Path:
         path = save_checkpoint(self.args.save, self.iteration, self.pm.module, self.optimizer, self._state(),
-                               tokenizer_json=self.tokenizer.to_json())
+                               tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict())
         self.logger.event(f"saved checkpoint {path}")
         return path
 
@@ -165,14 +179,14 @@ class Trainer:
     def _moe_metrics(self, moe_losses: list[float]) -> dict:
         """Balancing loss, per-expert load (share of routed assignments per layer) and dropped
         fraction over the logging window; empty for a dense model."""
-        if not self.pm.moe:
+        if not self.moe:
             return {}
         stats = self.pm.moe_stats()
         loads = stats["expert_load"]
         experts = len(next(iter(loads.values()))) if loads else 1
         # The busiest expert's share relative to an even share (1.0 = perfectly balanced).
         peak = max((max(load) * experts for load in loads.values()), default=None)
-        return {"moe_loss": sum(moe_losses) / len(moe_losses), "expert_load_max": peak,
+        return {"moe_loss": float(sum(moe_losses)) / len(moe_losses), "expert_load_max": peak,
                 "dropped": stats["dropped_fraction"], "expert_load": loads}
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -181,8 +195,8 @@ class Trainer:
         result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
         self.console.print(self.pm.report())
         self.console.print(
-            f"{self.config.num_params():,} parameters"
-            + (f" ({self.config.num_active_params():,} active per token)" if self.config.moe else "")
+            f"{self.num_params:,} parameters"
+            + (f" ({self.config.num_active_params():,} active per token)" if getattr(self.config, "moe", None) else "")
             + f" | world {shape.world} = PP {shape.pp} x DP {shape.dp} x CP {shape.cp} x TP {shape.tp}"
             + (f" (EP {shape.ep} of the DP ranks)" if shape.ep > 1 else "") + " | "
             f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
@@ -194,27 +208,28 @@ class Trainer:
         window_steps, window_moe = 0, []
         while self.iteration < args.train_iters:
             batch = next(self.loader).to(self.device_type)
-            loss, grad_norm, overflow = self.step(batch)
+            loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
-            result.losses.append(loss)
             window_losses.append(loss)
-            window_moe.append(self.pm.last_moe_loss)
+            window_moe.append(self.moe.last_loss if self.moe else 0.0)
             window_steps += 1
-            skipped += int(overflow)
+            skipped = skipped + overflow
             last = self.iteration == args.train_iters
             if self.iteration % args.log_interval == 0 or last:
                 if self.device_type == "cuda":
                     torch.cuda.synchronize()
+                window_losses = [float(x) for x in window_losses]
+                result.losses.extend(window_losses)
                 elapsed = time.perf_counter() - window_start
                 tokens = window_steps * shape.global_batch * args.seq_length
                 tflops = self.flops_per_token * tokens / elapsed / shape.world / 1e12
                 moe = self._moe_metrics(window_moe)
                 self.logger.log({
                     "step": self.iteration, "loss": sum(window_losses) / len(window_losses),
-                    "lr": self.schedule(self.iteration), "grad_norm": grad_norm,
+                    "lr": self.schedule(self.iteration), "grad_norm": float(norm),
                     "tokens_per_s": tokens / elapsed, "tflops_per_device": tflops,
                     "mfu": tflops * 1e12 / self.peak if math.isfinite(self.peak) else None,
-                    "memory_gib": memory_gib(self.device_type), "skipped_steps": skipped,
+                    "memory_gib": memory_gib(self.device_type), "skipped_steps": int(skipped),
                     "consumed_samples": self.loader.consumed_samples,
                     **({"loss_scale": self.scaler.scale} if self.scaler else {}),
                     **moe,

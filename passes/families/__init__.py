@@ -51,6 +51,7 @@ class ModelFacts:
     final_norm: str
     tied_embeddings: bool = False
     moe: MoEFacts | None = None
+    max_positions: int | None = None  # the longest sequence the position table covers (None: unknown)
 
     @property
     def n_layers(self) -> int:
@@ -82,6 +83,9 @@ class ModelFamily:
     # Whether the family's MoE layers run under tensor parallelism (experts sharded on their
     # hidden dim, Megatron's expert tensor parallelism = TP).
     moe_tensor_parallel: bool = False
+    # Run-time hooks the family's own layers need in every step (e.g. dtmega's MoE balancing
+    # losses and expert bias), given the applied program; see passes/runtime.py.
+    runtime_hooks: Callable[[object], list] | None = None
 
 
 _FAMILIES: list[ModelFamily] = []

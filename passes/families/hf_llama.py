@@ -28,6 +28,7 @@ def describe_hf_decoder(model: nn.Module) -> ModelFacts:
         output="lm_head",
         final_norm="model.norm",
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_positions=getattr(config, "max_position_embeddings", None),
     )
 
 

@@ -73,3 +73,11 @@ def shared_dir(tmp_path_factory):
     dist.broadcast_object_list(path, src=0)
     return Path(path[0])
 
+
+@pytest.fixture(scope="session")
+def corpus(shared_dir) -> str:
+    """The trainer tests' small tokenized corpus (its --data-path), written once per session."""
+    from tests.train_helpers import prepare_corpus
+
+    return prepare_corpus(shared_dir)
+

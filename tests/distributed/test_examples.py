@@ -27,12 +27,18 @@ def test_train_llama_moe_with_expert_parallelism_loss_falls():
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_custom_pass_matches_unsharded():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["alone", "with_sp"])
+def test_custom_pass_matches_unsharded(sequence_parallel):
+    """The example pass applies what the layout says, so SequenceParallel after it (which turns
+    w2's all-reduce into a reduce-scatter and splits the replicated attention's output onto the
+    sequence shards) builds the model its layout describes."""
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=12)
-    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), dtmega.Plan([MLPTensorParallel()]))
+    passes = [MLPTensorParallel(), *([dtmega.passes.SequenceParallel()] if sequence_parallel else [])]
+    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), dtmega.Plan(passes))
     pm.init_weights(seed=12)
     assert pm.layout["layers.0.feed_forward.w1"].params["weight"].placements == {"tp": "S(0)"}
     assert pm.layout["layers.0.attention.wq"].style is None
+    assert pm.layout["layers.0.feed_forward.w2"].outputs["tp"] == ("P->S(1)" if sequence_parallel else "P->R")
     assert_close_to_reference(compare_training(reference, pm, steps=5))
 
 
@@ -44,7 +50,7 @@ def test_compiled_model_matches_unsharded():
     )
     pm.init_weights(seed=13)
     pm.compile(backend="aot_eager")
-    assert pm.layout["layers.0"].kernel == "compiled (aot_eager)"
+    assert pm.layout["layers.0"].compiled == "aot_eager"
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=48))
 
 

@@ -12,6 +12,7 @@ import pytest
 import dtmega
 from dtmega.models import LlamaConfig
 from dtmega.models.moe import moe_layers
+from dtmega.passes.expert_parallel import ExpertDispatch
 from dtmega.passes import (
     ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
 )
@@ -57,7 +58,7 @@ def test_moe_plans_match_unsharded(name, dispatcher):
     config = moe_llama(load_balancing="seq_aux_loss") if {"pp", "cp"} & set(sizes) else moe_llama()
     _, pm, result = run(config, sizes, passes(dispatcher), seed=31, steps=5, seq_len=16)
     assert_close_to_reference(result)
-    assert pm.program.state["expert_parallel"]["stats"].bytes_sent > 0
+    assert pm.hook(ExpertDispatch).comm.bytes_sent > 0
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)

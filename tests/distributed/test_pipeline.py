@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import dtmega
-from dtmega.passes import DataParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel
+from dtmega.passes import DataParallel, PipelineSplit, PipelineStages, Recompute, SequenceParallel, TensorParallel
 from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, mesh
 
 SCHEDULES = {  # schedule -> virtual stages per rank
@@ -30,7 +30,7 @@ def test_every_schedule_matches_unsharded(schedule, pp):
     microbatches = 2 * pp * v
     pm = run(dict(pp=pp), [PipelineSplit(schedule=schedule, virtual_stages=v, microbatches=microbatches)],
              batch_size=microbatches)
-    stages = pm.program.state["pipeline"]["local_stages"]
+    stages = pm.executor.local_stages
     assert len(stages) == v
     assert {e.stage for e in pm.layout.modules.values() if e.stage is not None} == set(range(pp * v))
 
@@ -57,7 +57,7 @@ def test_compositions_and_uneven_splits(name, sizes, passes):
 
 def test_uneven_split_places_blocks_as_asked():
     pm = run(dict(pp=4), [PipelineSplit(microbatches=4, first_stage_layers=1, last_stage_layers=1)])
-    assert [len(b) for b in pm.program.state["pipeline"]["blocks"]] == [1, 3, 3, 1]
+    assert [len(b) for b in pm.result(PipelineStages).blocks] == [1, 3, 3, 1]
 
 
 def test_schedule_table_shows_every_micro_batch():

@@ -16,13 +16,8 @@ import torch.distributed as dist
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
 from tests.helpers import assert_same_choices, mesh, relative_error
-from tests.train_helpers import prepare_corpus, tiny_args
+from tests.train_helpers import tiny_args
 from tests.train_helpers import train_reusing_meshes as train
-
-
-@pytest.fixture(scope="module")
-def corpus(shared_dir):
-    return prepare_corpus(shared_dir)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +211,22 @@ def test_a_mesh_of_other_sizes_than_the_arguments_is_refused(corpus):
 
     with pytest.raises(ArgumentError, match="the mesh given has the sizes"):
         train_on(tiny_args(corpus, tensor_model_parallel_size=2, train_iters=1), mesh=mesh(tp=4))
+
+
+def test_a_user_registered_hugging_face_model_trains_by_name(corpus, shared_dir):
+    """`dtmega train --custom-import tests.user_models --model hf-tiny-llama` (a ModelSpec
+    registered outside the package) trains under TP2 x DDP2, saves, and evaluates by name."""
+    save = shared_dir / "hf_tiny"
+    argv = ["--custom-import", "tests.user_models", "--model", "hf-tiny-llama", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--data-path", corpus, "--split", "90,10,0",
+            "--tokenizer-type", "byte", "--eval-interval", "8", "--eval-iters", "2", "--log-interval", "4",
+            "--save", str(save)]
+    result = train(argv)
+    assert len(result.losses) == 8 and all(math.isfinite(x) for x in result.losses)
+    assert result.losses[-1] < result.losses[0] - 0.5, result.losses
+    from dtmega.train.evaluate import main as evaluate
+
+    loss = evaluate(["--load", str(save), "--data-path", corpus, "--tensor-model-parallel-size", "2",
+                     "--custom-import", "tests.user_models"])
+    assert abs(loss - result.validation[-1][1]) / loss < 1e-5

@@ -18,7 +18,7 @@ def llama(**overrides):
 
 def test_layout_marks_every_attention_core():
     lay = dtmega.check_plan(llama(), mesh_shape(cp=2), Plan([ContextParallel(method="a2a"), DataParallel("ddp")]))
-    assert lay["layers.3.attention.core"].kernel == "context_parallel(a2a)"
+    assert lay["layers.3.attention.core"].kernel == "attention.context_parallel.a2a"
     assert lay["layers.0.attention.wq"].params["weight"].placements == {}
 
 

@@ -26,7 +26,7 @@ def llama(name: str = "debug-moe", **moe):
 def test_layout_of_expert_and_data_parallelism():
     lay = dtmega.check_plan(llama(), mesh_shape(ep=2, dp_shard=2), Plan([ExpertParallel(), DataParallel("fsdp")]))
     experts = lay["layers.0.feed_forward.experts"]
-    assert experts.kernel == "expert_parallel(alltoall)" and experts.wrap == "fsdp"
+    assert experts.kernel == "moe.dispatch.alltoall" and experts.wrap == "fsdp"
     # experts: split over ep, FSDP over the ranks holding the same experts; dense: FSDP over all four
     assert experts.params["w1"].placements == {"ep": "S(0)", "dp_shard": "S(0)"}
     assert lay["layers.0.feed_forward.router.gate"].params["weight"].placements == {"dp_shard": "S(0)", "ep": "S(0)"}

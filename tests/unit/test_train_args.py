@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dtmega.models import LlamaConfig
-from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
+from dtmega.passes import DataParallel, FuseKernels, Recompute, SequenceParallel, TensorParallel
 from dtmega.train.args import ArgumentError, parse_train_args
 from dtmega.train.setup import build_plan, model_config, padded_vocab, reject_unsupported, run_shape
 
@@ -36,7 +36,14 @@ def test_a_megatron_launch_line_parses_with_notes():
     assert config.vocab_size == 50432 and config.n_kv_heads == 4 and not config.tie_embeddings
     plan = build_plan(args, shape, config.n_layers)
     kinds = [type(p) for p in plan]
-    assert kinds == [TensorParallel, SequenceParallel, Recompute, DataParallel]
+    assert kinds == [TensorParallel, SequenceParallel, Recompute, FuseKernels, DataParallel]
+    fuse = plan.passes[3]  # Megatron's defaults: RoPE, SwiGLU and norm fusion on, the fused loss opt-in
+    assert (fuse.rope, fuse.swiglu, fuse.rms_norm, fuse.cross_entropy) == (None, None, None, False)
+    args, _ = parse_train_args([*MEGATRON_LLAMA, "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-rms-norm-fusion"])
+    assert FuseKernels not in [type(p) for p in build_plan(args, shape, config.n_layers)]
+    args, _ = parse_train_args([*MEGATRON_LLAMA, "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+    with pytest.raises(ArgumentError, match="Transformer Engine's fused cross entropy"):
+        build_plan(args, shape, config.n_layers)
     assert plan.passes[-1].mode == "fsdp" and plan.passes[-1].param_dtype == "bfloat16"
 
 
@@ -52,8 +59,6 @@ def test_toml_then_flags_override(tmp_path):
 
 
 def test_planned_and_unsupported_features_are_refused():
-    with pytest.raises(ArgumentError, match="--fp8-format: FP8"):
-        parse_train_args(["--fp8-format", "hybrid"])
     for flags, message in [
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
         (["--normalization", "LayerNorm"], "only RMSNorm"),
@@ -150,7 +155,7 @@ def test_moe_flags_build_the_model_and_the_expert_parallel_pass():
     shape = run_shape(args, world=8)
     assert (shape.dp, shape.ep, shape.dp_shard, shape.tp) == (4, 2, 2, 2)
     plan = list(build_plan(args, shape, 4))
-    assert [type(p).__name__ for p in plan] == ["TensorParallel", "ExpertParallel", "DataParallel"]
+    assert [type(p).__name__ for p in plan] == ["TensorParallel", "ExpertParallel", "FuseKernels", "DataParallel"]
     assert isinstance(plan[1], ExpertParallel) and plan[1].dispatcher == "alltoall" and isinstance(plan[0], TensorParallel)
 
 

@@ -17,15 +17,15 @@ def _cell(action, multi_stage: bool) -> str:
     return f"[{_STYLE.get(kind, 'white')}]{text}[/]"
 
 
-def schedule_table(schedule, info: dict) -> Table:
+def schedule_table(schedule, info) -> Table:
     """Rows are ticks, columns pipeline ranks; idle ticks are blank (the bubble)."""
     order = getattr(schedule, "pipeline_order", None)
     if not order:
         raise RuntimeError(f"{type(schedule).__name__} exposes no action order to tabulate")
-    multi = info["stages"] > len(set(info["rank_of_stage"]))
+    multi = info.stages > len(set(info.rank_of_stage))
     compute = {rank: [a for a in actions if a is None or a.is_compute_op] for rank, actions in order.items()}
     ticks = max(len(actions) for actions in compute.values())
-    table = Table(title=f"{info['schedule']}: {info['stages']} stages, F forward, B backward, I input-grad, W weight-grad")
+    table = Table(title=f"{info.schedule}: {info.stages} stages, F forward, B backward, I input-grad, W weight-grad")
     table.add_column("tick", justify="right")
     ranks = sorted(compute)
     for rank in ranks:

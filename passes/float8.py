@@ -1,0 +1,213 @@
+"""FP8 training as a pass: `Float8(recipe="delayed", format="hybrid")` runs the model's linears
+in FP8 (Megatron's `--fp8-*` flags; docs/fp8.md).
+
+`annotate` marks which linears run in FP8 and says in the layout (`precision`) why each other
+one does not: the output layer (never by default), the first/last N blocks on request
+(Megatron's `--first-last-layers-bf16`), dimensions FP8 GEMMs do not take (not multiples of 16),
+and projections too small for FP8 to win (fewer than `min_features` in or out, torchao's
+auto-filter idea). It refuses a device without FP8 tensor cores (CPU is the test path), MXFP8
+off Blackwell, and a backend that is not installed, naming the install command.
+
+Backends: "dtmega" (dtmega.kernels.float8_linear on `torch._scaled_mm`: delayed, tensorwise
+and rowwise scaling; composes with TP/SP, FSDP, CP, PP, EP, recompute); "torchao"
+(`Float8Linear`, tensorwise/rowwise, with FP8 all-gather under FSDP); "transformer_engine"
+(its `Linear` and `fp8_autocast` recipes; passes/float8_te.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtmega.kernels.float8 import AMAX_ALGOS, FORMATS, Float8Recipe
+from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
+from dtmega.kernels.registry import KernelSpec, register_kernel
+from dtmega.passes.base import Pass
+from dtmega.passes.errors import PlanError
+from dtmega.passes.program import Program
+from dtmega.passes.results import DataParallelism, PassResult
+from dtmega.passes.runtime import RuntimeHook
+
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+BACKENDS = {"dtmega": None, "torchao": "torchao", "transformer_engine": "transformer_engine"}
+INSTALL = {"torchao": "pip install torchao", "transformer_engine": "pip install 'dtmega[te]' (needs CUDA)"}
+
+for _backend in BACKENDS:
+    register_kernel(KernelSpec(f"linear.float8.{_backend}", "linear", f"FP8 linear ({_backend})",
+                               reference=None, packages=(BACKENDS[_backend],) if BACKENDS[_backend] else ()),
+                    replace=True)
+
+
+@dataclass(frozen=True)
+class Float8Choice(PassResult):
+    """What runs in FP8: the recipe and the linears."""
+
+    recipe: str
+    format: str
+    backend: str
+    modules: tuple[str, ...]
+
+
+@dataclass
+class Float8(Pass):
+    """Runs the model's linears in FP8 (see the module docstring)."""
+
+    recipe: str = "delayed"
+    format: str = "hybrid"
+    backend: str = "dtmega"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    param_gather: bool = False  # FSDP all-gathers the weights in FP8 (torchao backend)
+    first_blocks_bf16: int = 0
+    last_blocks_bf16: int = 0
+    include_output: bool = False
+    min_features: int = 1024
+    device: str | None = None  # the device the plan will run on (default: the mesh's)
+
+    provides = ("float8",)
+    after = ("tensor_parallel@*", "sequence_parallel@*", "expert_parallel@*", "fused_kernels")
+
+    def _device(self, program: Program) -> str:
+        if self.device is not None:
+            return self.device
+        if program.mesh is not None:
+            return program.mesh.device_type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _check(self, program: Program) -> None:
+        if self.recipe not in RECIPES:
+            raise PlanError(f"Float8(recipe={self.recipe!r}) is unknown; use one of {RECIPES}")
+        if self.format not in FORMATS:
+            raise PlanError(f"Float8(format={self.format!r}) is unknown; use one of {FORMATS}")
+        if self.backend not in BACKENDS:
+            raise PlanError(f"Float8(backend={self.backend!r}) is unknown; use one of {tuple(BACKENDS)}")
+        if self.amax_compute_algo not in AMAX_ALGOS or self.amax_history_len < 1:
+            raise PlanError(f"Float8: amax_compute_algo in {AMAX_ALGOS} and amax_history_len >= 1, got "
+                            f"{self.amax_compute_algo!r} and {self.amax_history_len}")
+        package = BACKENDS[self.backend]
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise PlanError(f"Float8(backend={self.backend!r}) needs {package}, which is not installed. Fix: "
+                            f"{INSTALL[self.backend]}, or backend='dtmega'")
+        device = self._device(program)
+        if device == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability()
+            if capability < (8, 9):
+                raise PlanError(f"FP8 needs FP8 tensor cores (compute capability 8.9+: L4, L40, H100, H200, B200); "
+                                f"this GPU is {capability[0]}.{capability[1]}. Fix: train in bf16")
+            if self.recipe == "mxfp8" and capability < (10, 0):
+                raise PlanError("MXFP8 (block-scaled FP8) needs a Blackwell GPU (compute capability 10.0+). Fix: "
+                                "--fp8-recipe delayed or tensorwise on this GPU")
+        if self.recipe in ("blockwise", "mxfp8") and self.backend != "transformer_engine":
+            raise PlanError(f"the {self.recipe} recipe runs on Transformer Engine only. Fix: "
+                            f"backend='transformer_engine' (--transformer-impl transformer_engine), or recipe "
+                            "'delayed', 'tensorwise' or 'rowwise'")
+        if self.backend == "torchao" and self.recipe == "delayed":
+            raise PlanError("torchao no longer offers delayed scaling. Fix: backend='dtmega' (its own FP8 linear "
+                            "covers it), or recipe 'tensorwise'/'rowwise' with torchao (--fp8-recipe tensorwise)")
+        torchao_format = {"tensorwise": "hybrid", "rowwise": "e4m3"}.get(self.recipe)
+        if self.backend == "torchao" and torchao_format and self.format != torchao_format:
+            raise PlanError(f"torchao's {self.recipe} recipe is {torchao_format} (tensorwise: e4m3 forward, e5m2 "
+                            f"gradients; rowwise: e4m3 everywhere), not {self.format}. Fix: format="
+                            f"'{torchao_format}' (--fp8-format {torchao_format}), or backend='dtmega'")
+        if self.param_gather and self.recipe != "tensorwise":
+            raise PlanError(f"FP8 all-gather (param_gather, --fp8-param-gather) casts weight shards with one scale per "
+                            f"tensor: torchao does it for tensorwise scaling only, not {self.recipe}. Fix: recipe="
+                            "'tensorwise' (--fp8-recipe tensorwise), or drop param_gather")
+        if self.backend == "torchao" and program.role_size("tensor") > 1:
+            raise PlanError("Float8(backend='torchao') is not wired to tensor parallelism here. Fix: backend='dtmega'")
+
+    def annotate(self, program: Program) -> None:
+        self._check(program)
+        facts = program.facts
+        blocks = list(facts.blocks)
+        bf16_blocks = set(blocks[:self.first_blocks_bf16]) | set(blocks[len(blocks) - self.last_blocks_bf16:])
+        chosen = []
+        for fqn, module in program.modules.items():
+            if not isinstance(module, nn.Linear):
+                continue
+            entry = program.layout[fqn]
+            block = next((b for b in blocks if fqn.startswith(f"{b}.")), None)
+            reason = None
+            if fqn == facts.output and not self.include_output:
+                reason = "the output layer stays bf16 (include_output=True to change)"
+            elif block is None and fqn != facts.output:
+                reason = "outside the transformer blocks"
+            elif block in bf16_blocks:
+                reason = "first/last blocks kept in bf16"
+            elif module.in_features % 16 or module.out_features % 16:
+                reason = f"FP8 GEMMs need dimensions divisible by 16 ({module.in_features}x{module.out_features})"
+            elif min(module.in_features, module.out_features) < self.min_features:
+                reason = (f"too small for FP8 to win ({module.in_features}x{module.out_features} < "
+                          f"{self.min_features}; min_features)")
+            if reason:
+                entry.precision = f"bf16: {reason}"
+                continue
+            entry.precision = f"fp8 {self.recipe} {self.format}"
+            entry.kernel = f"linear.float8.{self.backend}"
+            chosen.append(fqn)
+        program.record(Float8Choice(self.recipe, self.format, self.backend, tuple(chosen)))
+        program.note(f"Float8({self.recipe}, {self.format}, {self.backend}): {len(chosen)} linears in FP8")
+
+    def finalize(self, program: Program) -> None:
+        data = program.result(DataParallelism)
+        if self.param_gather and (self.backend != "torchao" or data is None or data.mode == "ddp"):
+            raise PlanError("FP8 all-gather (param_gather, --fp8-param-gather) gathers FSDP-sharded weights in FP8 "
+                            "with torchao's Float8Linear. Fix: backend='torchao' with DataParallel('fsdp'/'hsdp')")
+
+    def apply(self, program: Program) -> None:
+        choice = program.require(Float8Choice, "Float8.apply")
+        if self.backend == "torchao":
+            from dtmega.passes.float8_torchao import apply_torchao
+
+            apply_torchao(program, self, choice)
+            return
+        if self.backend == "transformer_engine":
+            from dtmega.passes.float8_te import apply_transformer_engine
+
+            apply_transformer_engine(program, self, choice)
+            return
+        recipe = Float8Recipe(self.recipe, self.format, self.amax_history_len, self.amax_compute_algo)
+        group = amax_group(program)
+        states = {}
+        for fqn in choice.modules:
+            for module in program.modules_at(fqn):
+                state = Float8State(self.amax_history_len, program.mesh.device_type) if self.recipe == "delayed" else None
+                if state is not None:
+                    states[fqn] = state
+                module.forward = _fp8_forward(module, recipe, state, group)
+        program.add_hook(Float8Scaling(states, recipe, group))
+
+
+def amax_group(program: Program):
+    """The ranks whose pieces of the same tensors an amax must cover: tensor-parallel shards and
+    the data (x context) ranks holding other tokens; None when that is this rank alone."""
+    axes = [*program.data_axes(), program.axes.name("tensor")]
+    wide = [axis for axis in axes if program.mesh_shape.get(axis, 1) > 1]
+    return program.flat_submesh(wide).get_group() if wide else None
+
+
+def _fp8_forward(module: nn.Linear, recipe: Float8Recipe, state, group):
+    return lambda x: float8_linear(x, module.weight, module.bias, recipe, state, group)
+
+
+class Float8Scaling(RuntimeHook):
+    """Delayed scaling's step: after the optimizer, every linear's amaxes of the step are
+    reduced in one collective, pushed into its history, and the next step's scales computed.
+    The histories and scales are checkpointed with the model (`state_dict`)."""
+
+    def __init__(self, states: dict[str, Float8State], recipe: Float8Recipe, group):
+        self.states, self.recipe, self.group = states, recipe, group
+
+    def after_optimizer_step(self) -> None:
+        reduce_and_update_scales(list(self.states.values()), self.recipe, self.group)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"fp8.{fqn}.{key}": value for fqn, state in self.states.items()
+                for key, value in state.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for fqn, own in self.states.items():
+            own.load_state_dict({key: state[f"fp8.{fqn}.{key}"] for key in ("amax_history", "scale")})

@@ -1,0 +1,184 @@
+"""Fused hot paths as a pass: `FuseKernels()` picks a kernel per module and writes it in the layout.
+
+Norms run `rms_norm`, the residual add before a block's second norm `rms_norm_residual`, the
+MLP's activation `swiglu`, q and k their RoPE in one `rope_qk` launch, and the output layer
+with the loss `fused_linear_cross_entropy` (the logits are never materialized; vocab-parallel
+under tensor parallelism). Each is a custom op of `dtmega.kernels` with a plain-PyTorch
+reference (the CPU path) and a Triton implementation (CUDA); `impl="auto"` takes Triton where
+the device is CUDA and triton imports, the reference elsewhere, and the layout records which
+(`rms_norm.triton`, `cross_entropy.fused_linear.reference`, ...), so the report shows what runs.
+Each op can be turned off (`FuseKernels(rope=False)`, the trainer's `--no-rope-fusion`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
+from dtmega.kernels.registry import KernelSpec, register_kernel
+from dtmega.kernels.triton_support import triton_available
+from dtmega.passes.base import Pass
+from dtmega.passes.errors import PlanError
+from dtmega.passes.fusion_sites import FORWARDS, SITES, fuse_block_residual
+from dtmega.passes.loss import register_loss
+from dtmega.passes.program import Program
+from dtmega.passes.results import Compilation, PassResult
+from dtmega.passes.runtime import Batch
+from dtmega.passes.tp_styles import _src, register_style_variant
+
+IMPLS = ("auto", "triton", "reference")
+LOSS = "cross_entropy.fused_linear"
+
+
+@dataclass(frozen=True)
+class FusedLoss(PassResult):
+    """The fused loss's chunking (tokens per chunk; None: the kernel's default)."""
+
+    chunk_size: int | None = None
+
+for _impl in ("triton", "reference"):
+    _devices = ("cuda",) if _impl == "triton" else ()
+    _packages = ("triton",) if _impl == "triton" else ()
+    for _op, _what in (("rms_norm", "RMSNorm"), ("rms_norm_residual", "residual add + RMSNorm"),
+                       ("swiglu", "silu(a) * b"), ("rope", "RoPE of q and k in one launch"),
+                       (LOSS, "output projection + cross entropy in chunks of tokens")):
+        register_kernel(KernelSpec(f"{_op}.{_impl}", _op, f"{_what} ({_impl})", devices=_devices, packages=_packages,
+                                   reference=None if _impl == "reference" else f"{_op}.reference"), replace=True)
+
+
+@dataclass
+class FuseKernels(Pass):
+    """Runs the model's hot paths through fused kernels (see the module docstring)."""
+
+    rms_norm: bool | None = None  # None: fused unless the blocks are compiled on a GPU (see finalize)
+    swiglu: bool | None = None
+    rope: bool | None = None
+    cross_entropy: bool = True
+    impl: str = "auto"
+    chunk_size: int | None = None  # tokens per chunk of the fused loss (None: ~256 MiB of fp32 logits)
+
+    provides = ("fused_kernels",)
+    after = ("context_parallel@*",)  # CP replaces attention cores; RoPE is applied before them
+
+    def _impl(self, program: Program) -> str:
+        if self.impl not in IMPLS:
+            raise PlanError(f"FuseKernels(impl={self.impl!r}) is unknown; use one of {IMPLS}")
+        if self.impl != "auto":
+            return self.impl
+        device = program.mesh.device_type if program.mesh is not None else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        return "triton" if device == "cuda" and triton_available() else "reference"
+
+    def annotate(self, program: Program) -> None:
+        impl = self._impl(program)
+        family = program.family
+        if family is None:
+            program.facts  # raises the "no family knows this model" error
+        wanted = {"rms_norm": self.rms_norm is not False, "rms_norm_residual": self.rms_norm is not False,
+                  "swiglu": self.swiglu is not False, "rope": self.rope is not False}
+        sites = SITES[family.name](program.model) if family.name in SITES else {}
+        if family.name not in SITES and any(wanted.values()):
+            program.note(f"FuseKernels: the {family.name} family declares no fusion sites (dtmega.passes."
+                         "fusion_sites.register_fusion): its norms, MLPs and RoPE run unfused")
+        count = 0
+        for op, fqns in sites.items():
+            if not wanted[op] or (family.name, op) not in FORWARDS:
+                continue
+            for fqn in fqns:
+                entry = program.layout[fqn]
+                if entry.kernel is None:
+                    entry.kernel = f"{op}.{impl}"
+                    count += 1
+        if self.cross_entropy:
+            output = program.layout[program.facts.output]
+            if output.style not in (None, "output"):
+                raise PlanError(f"FuseKernels cannot fuse the loss into {program.facts.output}, which has style "
+                                f"{output.style!r}. Fix: FuseKernels(cross_entropy=False)")
+            output.kernel = f"{LOSS}.{impl}"
+            count += 1
+            program.record(FusedLoss(self.chunk_size))
+        program.note(f"FuseKernels({impl}): {count} modules")
+
+    def finalize(self, program: Program) -> None:
+        """The fastest measured choice (docs/kernels.md): with compiled blocks on a GPU, inductor's
+        own fusion of norms, SwiGLU and RoPE beat these kernels inside the compiled graph
+        (H100, Llama 1.5 B: 58,649 tokens/s with the fused loss alone, 56,982 with every kernel),
+        so ops left on `None` go back to the compiler there; the fused loss (outside the blocks)
+        stays. Eagerly, and on the CPU (references), every kernel runs."""
+        if self._impl(program) != "triton" or program.result(Compilation) is None:
+            return
+        auto = {op for op, flag in (("rms_norm", self.rms_norm), ("rms_norm_residual", self.rms_norm),
+                                    ("swiglu", self.swiglu), ("rope", self.rope)) if flag is None}
+        returned = 0
+        for entry in program.layout.modules.values():
+            if entry.kernel and entry.kernel.rpartition(".")[0] in auto:
+                entry.kernel, returned = None, returned + 1
+        if returned:
+            program.note(f"FuseKernels: {returned} norm/SwiGLU/RoPE modules left to the compiled blocks (faster there)")
+
+    def apply(self, program: Program) -> None:
+        family = program.family.name
+        for fqn, entry in program.layout.modules.items():
+            if entry.kernel is None:
+                continue
+            op, _, impl = entry.kernel.rpartition(".")
+            for module in program.modules_at(fqn):
+                if op == LOSS:
+                    module.forward = _identity  # the loss takes the hidden states and this weight
+                elif op == "rms_norm_residual":
+                    block = program.module(fqn.rpartition(".")[0]) if fqn.rpartition(".")[0] else None
+                    fuse_block_residual(block, impl)
+                elif (family, op) in FORWARDS:
+                    module.forward = FORWARDS[(family, op)](module, impl)
+
+
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _fused_output_style(entry, axis):
+    """Tensor-parallel output layer whose loss is fused: the weight is vocab-sharded and the
+    input gathered as for logits, but the layer passes its (replicated) input through."""
+    return ColwiseParallel(input_layouts=_src(entry.inputs[axis]), output_layouts=Replicate(), use_local_output=False)
+
+
+def autocast_of(program: Program):
+    """The autocast the plan runs forwards under (one-rank data parallelism in bf16/fp16), as
+    a context manager factory: the fused loss is part of the forward and runs under it too."""
+    precision = program.layout[""].precision if "" in program.layout else None
+    if not precision or not precision.startswith("autocast=") or program.mesh is None:
+        return contextlib.nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision.split("=", 1)[1]]
+    return lambda: torch.autocast(program.mesh.device_type, dtype=dtype)
+
+
+def _fused_loss(program: Program, impl: str, chunk_size: int | None):
+    logits_fn = program.family.logits  # the output layer returns its input: these are hidden states
+    output_fqn = program.facts.output
+    autocast = autocast_of(program)
+
+    def loss(module, batch: Batch, grad_scale):
+        hidden = logits_fn(module, batch.tokens, batch.position_ids)
+        weight = module.get_submodule(output_fqn).weight
+        if isinstance(hidden, DTensor) and any(isinstance(p, Shard) for p in hidden.placements):
+            hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+        with autocast():
+            total = fused_linear_cross_entropy_sum(
+                hidden.flatten(0, 1), weight, batch.labels.flatten(), batch.loss_mask.flatten(), impl=impl,
+                chunk_size=chunk_size)
+        if grad_scale is not None:
+            (total * grad_scale).backward()
+        return total
+
+    return loss
+
+
+for _impl in ("triton", "reference"):
+    register_style_variant("output", f"{LOSS}.{_impl}", _fused_output_style)
+    register_loss(f"{LOSS}.{_impl}", lambda program, impl=_impl: _fused_loss(
+        program, impl, (program.result(FusedLoss) or FusedLoss()).chunk_size))

@@ -1,0 +1,177 @@
+"""Running a pipeline-split model: torch's PipelineStages and schedules, one step at a time."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtmega.kernels import per_token_cross_entropy
+from dtmega.passes.errors import PlanError
+from dtmega.passes.program import Program
+from dtmega.passes.results import PipelineStages
+from dtmega.passes.runtime import Batch, Executor, StepContext
+
+
+def check_microbatches(schedule: str, virtual_stages: int, microbatches: int, pp: int) -> None:
+    """The schedule's demands on the number of micro-batches per step; PlanError naming the fix."""
+    stages = pp * virtual_stages
+    if microbatches < 1:
+        raise PlanError(f"microbatches={microbatches} must be positive")
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        raise PlanError(
+            f"schedule {schedule!r} needs at least as many micro-batches as stages: {microbatches} < "
+            f"{stages}. Fix: use >= {stages} micro-batches (a bigger batch or smaller micro-batches)"
+        )
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise PlanError(
+                f"schedule {schedule!r} needs the micro-batches ({microbatches}) to be a multiple of their "
+                f"rounds ({rounds}); use a multiple of pp={pp}"
+            )
+
+
+
+class PipelineParts(nn.Module):
+    """This rank's stages seen as one module with the unsharded model's FQNs, for optimizers,
+    state dicts and checkpoints (the stages themselves run separately)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        for part in parts:
+            if any(True for _ in part.named_parameters(recurse=False)):
+                raise ValueError("a pipeline stage with parameters directly on its root cannot be merged")
+            for name, child in part.named_children():
+                if child is None:
+                    continue
+                if isinstance(child, nn.ModuleDict):
+                    merged = self._modules.setdefault(name, nn.ModuleDict())
+                    for key, module in child.items():
+                        merged[key] = module
+                elif name in self._modules and self._modules[name] is not child:
+                    raise ValueError(f"two local stages both hold {name!r}")
+                else:
+                    self._modules[name] = child
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model runs through ParallelModel.forward_backward / loss_sum")
+
+
+@contextlib.contextmanager
+def _not_counting(module: nn.Module):
+    """Layers that keep training statistics (MoE routing) skip the forwards run inside."""
+    counting = [m for m in module.modules() if getattr(m, "counting", False)]
+    for m in counting:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in counting:
+            m.counting = True
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose metadata inference (a forward and backward on stand-in tensors,
+    run before the first step and after every eval/train switch) leaves no trace in the
+    model's statistics."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with _not_counting(self.submod):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        with _not_counting(self.submod):
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+
+class PipelineExecutor(Executor):
+    """Runs a step through torch's PipelineStages and the plan's schedule (stages and schedules
+    built on first use, after every pass has applied)."""
+
+    def __init__(self, program: Program, local_stages: list[int]):
+        self.program = program
+        self.info = program.require(PipelineStages, "PipelineExecutor")
+        self.local_stages = local_stages
+        self.mesh = program.submesh(self.info.axis)
+        self.group = self.mesh.get_group()
+        self.has_first = 0 in local_stages
+        self.has_last = self.info.stages - 1 in local_stages
+        self.scale = 1.0
+        self._stages: list[_Stage] | None = None
+        self._schedules: dict[int, object] = {}
+
+    def default_microbatches(self) -> int:
+        return self.info.microbatches
+
+    @property
+    def logits_sharded(self) -> bool:
+        """Whether the last stage's logits are vocab-sharded (tensor-parallel output layer)."""
+        return any(e.style == "output" for e in self.program.layout.modules.values())
+
+    @property
+    def stages(self) -> list["_Stage"]:
+        if self._stages is None:
+            program = self.program
+            device = torch.device(program.mesh.device_type, torch.cuda.current_device()) \
+                if program.mesh.device_type == "cuda" else torch.device("cpu")
+            self._stages = [_Stage(part, stage, self.info.stages, device, group=self.group)
+                            for part, stage in zip(program.parts, self.local_stages)]
+        return self._stages
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        kernel = self.program.layout[self.program.facts.output].kernel or ""
+        if kernel.startswith("cross_entropy.fused_linear."):  # the last stage returns hidden states
+            from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
+
+            weight = self.stages[-1].submod.get_submodule(self.program.facts.output).weight
+            total = fused_linear_cross_entropy_sum(output.flatten(0, 1), weight, target[..., 0].long().flatten(),
+                                                   target[..., 1].float().flatten(), impl=kernel.rpartition(".")[2])
+            return total * self.scale
+        if self.logits_sharded:
+            tp_mesh = self.program.submesh(self.program.axes.name("tensor"))
+            output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False)
+        losses = per_token_cross_entropy(output, target[..., 0].long())
+        return (losses * target[..., 1].float()).sum() * self.scale
+
+    def schedule(self, microbatches: int):
+        """The schedule for `microbatches` per step (built once per count)."""
+        if microbatches not in self._schedules:
+            check_microbatches(self.info.schedule, self.info.virtual_stages, microbatches, self.mesh.size())
+            cls = get_schedule_class(self.info.torch_schedule)
+            stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
+            self._schedules[microbatches] = cls(stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[microbatches]
+
+    def run(self, batch: Batch, step: StepContext, hooks: list) -> torch.Tensor:
+        """One step (forward and, if training, backward) over the micro-batches; returns this
+        rank's share of the summed, unscaled loss (non-zero only where the last stage lives)."""
+        microbatches = step.microbatches
+        if batch.tokens.shape[0] % microbatches:
+            raise ValueError(
+                f"a batch of {batch.tokens.shape[0]} sequences cannot be split into {microbatches} pipeline "
+                f"micro-batches. Fix: make the batch size a multiple of {microbatches}"
+            )
+        self.scale = step.grad_scale if step.train else 1.0  # a tensor: no host synchronization
+        schedule = self.schedule(microbatches)
+        target = torch.stack([batch.labels.double(), batch.loss_mask.double()], dim=-1)
+        kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
+        kwargs = {} if batch.position_ids is None else {kwarg: batch.position_ids}
+        losses: list[torch.Tensor] = []
+        inputs = (batch.tokens,) if self.has_first else ()
+        with loss_parallel() if self.logits_sharded else contextlib.nullcontext():
+            if step.train:
+                schedule.step(*inputs, target=target, losses=losses, **kwargs)
+            else:
+                schedule.eval(*inputs, target=target, losses=losses, **kwargs)
+        total = torch.zeros((), device=batch.tokens.device)
+        if self.has_last:
+            total = torch.stack([loss.detach() for loss in losses]).sum() / self.scale
+        dist.all_reduce(total, group=self.group)
+        return total

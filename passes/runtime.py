@@ -1,0 +1,135 @@
+"""The run-time half of the contract: what passes and model families add to every training step.
+
+`parallelize` asks every pass (`Pass.runtime_hooks`) and the model's family
+(`ModelFamily.runtime_hooks`) for `RuntimeHook`s, and the plan for one `Executor`. Then
+`ParallelModel.forward_backward` is one loop for every plan:
+
+    batch = hooks' shard_batch(data-parallel batch)          # CP: this rank's sequence shard
+    tokens = sum of loss tokens over the data (x context) ranks
+    hooks' begin_step(step)                                   # MoE: scale of the balancing losses
+    loss_sum = executor.run(batch, micro-batches, step)       # micro-batch loop, or a pipeline schedule
+    loss = all ranks' loss_sum / tokens + hooks' extra_loss   # MoE: the balancing losses
+    ... optimizer.step(); pm.after_optimizer_step()           # MoE expert bias; FP8 scale updates
+
+A hook overrides only what it needs; every method has a do-nothing default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dtmega.passes.errors import PlanError
+
+
+@dataclass
+class Batch:
+    """The unpacked, validated fields of a batch ([B, S] tensors)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None
+
+    def split(self, microbatches: int) -> list["Batch"]:
+        """Splits dim 0 into `microbatches` equal parts (gradient accumulation, pipelining)."""
+        size = self.tokens.shape[0]
+        if microbatches < 1 or size % microbatches:
+            raise PlanError(
+                f"a batch of {size} sequences cannot be split into {microbatches} equal micro-batches. "
+                f"Fix: make the batch size a multiple of {microbatches}"
+            )
+        parts = [
+            t.chunk(microbatches) if t is not None else [None] * microbatches
+            for t in (self.tokens, self.labels, self.loss_mask, self.position_ids)
+        ]
+        return [Batch(*fields) for fields in zip(*parts)]
+
+
+@dataclass
+class StepContext:
+    """What one `forward_backward` call shares with the hooks and the executor."""
+
+    microbatches: int
+    loss_scale: float  # fp16 loss scaling: gradients are those of loss_scale x the loss
+    ranks: int  # ranks gradients are averaged over (data x context): each scales its loss by it
+    grad_scale: torch.Tensor  # per-token gradient scale: ranks x loss_scale / global loss tokens
+    train: bool = True
+
+
+class RuntimeHook:
+    """Run-time behaviour a pass or a model family adds to every step (no-op defaults)."""
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        """This rank's part of the data-parallel batch (context parallelism: its sequence shard)."""
+        return batch
+
+    def begin_step(self, step: StepContext) -> None:
+        """Before the step's forward (e.g. how MoE layers scale their balancing losses)."""
+
+    def extra_loss(self, step: StepContext) -> torch.Tensor | None:
+        """A term added to the returned loss, the same on every rank (e.g. MoE balancing losses)."""
+        return None
+
+    def gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward reduces gradients (off for all but the last micro-batch)."""
+
+    def after_optimizer_step(self) -> None:
+        """After `optimizer.step()` (expert-bias updates; FP8 scale and amax-history updates)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Statistics for logging since the last call (collective: call on every rank)."""
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """State that belongs in a checkpoint (e.g. FP8 amax histories), keys unique per hook."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores what `state_dict` returned (every key it names is present)."""
+
+
+# loss_fn(module, batch, grad_scale) -> the batch's summed loss over loss tokens; with a
+# grad_scale it also runs backward of grad_scale x that sum (inside whatever context the loss
+# needs for its backward, e.g. vocab-parallel cross entropy's).
+LossFn = Callable[[nn.Module, Batch, "torch.Tensor | None"], torch.Tensor]
+
+
+class Executor:
+    """How a step's forward and backward run over this rank's batch."""
+
+    group = None  # the process group the executor sums losses over (pipelines), if any
+
+    def default_microbatches(self) -> int:
+        """Micro-batches per step when the caller gives none."""
+        return 1
+
+    def run(self, batch: Batch, step: StepContext, hooks: list[RuntimeHook]) -> torch.Tensor:
+        """Forward (and backward if `step.train`) over `step.microbatches` parts of `batch`;
+        returns this rank's summed, unscaled loss over loss tokens (detached)."""
+        raise NotImplementedError
+
+
+class MicrobatchLoop(Executor):
+    """Gradient accumulation: each micro-batch's forward and backward in turn, gradients
+    reduced only after the last one."""
+
+    def __init__(self, module: nn.Module, loss_fn: LossFn):
+        self.module, self.loss_fn = module, loss_fn
+
+    def run(self, batch: Batch, step: StepContext, hooks: list[RuntimeHook]) -> torch.Tensor:
+        total = torch.zeros((), device=batch.tokens.device)
+        chunks = batch.split(step.microbatches)
+        for index, chunk in enumerate(chunks):
+            if step.train:
+                for hook in hooks:
+                    hook.gradient_sync(index == len(chunks) - 1)
+                loss = self.loss_fn(self.module, chunk, step.grad_scale)
+            else:
+                with torch.no_grad():
+                    loss = self.loss_fn(self.module, chunk, None)
+            total = total + loss.detach()
+        return total

@@ -1,0 +1,166 @@
+"""FP8 under every plan, checked in two layers.
+
+1. One FP8 linear, sharded (tensor-parallel column- and row-wise, tokens split over data ranks)
+   against the same linear on one rank, each recipe, two steps: output, input gradient and
+   weight gradient within 1e-5 relative. Every amax is the whole tensor's (reduced over the
+   tensor-parallel and data ranks), so both runs quantize to the same FP8 values; what is left
+   is fp32 summation order in the accumulation and in the partial-sum reduction (~1e-7). An
+   amax reduced over the wrong ranks, or a partial sum never reduced, changes FP8 values or
+   whole sums: errors of 1e-3 and up.
+
+2. The whole model, each plan against one rank and against the fp32 (no FP8) reference, 3
+   steps. Plans that split a contraction (tensor parallelism's partial sums, context
+   parallelism's attention combine, data-parallel gradient sums feeding the next step's
+   weights) change fp32 rounding by ~1e-7, and a value that sits on an FP8 rounding boundary
+   then rounds the other way: one e5m2 gradient element moves by up to 25%, and the move
+   propagates through the backward. So the sharded FP8 run cannot match the one-rank FP8 run
+   bit for bit (measured: up to 10% in the worst gradient tensor for TP2 at dim 64). What must
+   hold is that it is FP8 noise and not a bug: the sharded run is as close to the fp32
+   reference as the one-rank FP8 run is (worst gradient within 1.25x of the one-rank FP8
+   error plus 0.01, loss within 2x plus 1e-5). A missing reduction or a wrong scale is many
+   times FP8's noise (measured 0.1 to 1.5 for the bugs this caught during development).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dtmega
+from dtmega.kernels.float8 import Float8Recipe
+from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
+from dtmega.passes import (
+    Compile, ContextParallel, DataParallel, ExpertParallel, Float8, PipelineSplit, Recompute, SequenceParallel,
+    TensorParallel,
+)
+from dtmega.passes.program import submesh
+from tests.helpers import build_dtmega_llama, debug_llama, full, mesh, relative_error
+
+LINEAR_RTOL = 1e-5  # fp32 summation order only: the FP8 values are the same on both sides
+PLANS = {
+    "tp2_sp": ({"tp": 2}, lambda f8: [TensorParallel(), SequenceParallel(), f8]),
+    "fsdp2": ({"dp_shard": 2}, lambda f8: [f8, DataParallel("fsdp")]),
+    "tp2_fsdp2": ({"tp": 2, "dp_shard": 2}, lambda f8: [TensorParallel(), SequenceParallel(), f8, DataParallel("fsdp")]),
+    "pp2": ({"pp": 2}, lambda f8: [PipelineSplit(microbatches=2), f8, DataParallel("ddp")]),
+    "cp2": ({"cp": 2}, lambda f8: [ContextParallel(), f8, DataParallel("fsdp")]),
+    "tp2_sp_recompute": ({"tp": 2}, lambda f8: [TensorParallel(), SequenceParallel(), Recompute("full"), f8]),
+    "ep2_fsdp2": ({"ep": 2, "dp_shard": 2}, lambda f8: [ExpertParallel(), f8, DataParallel("fsdp")]),
+    "tp2_fsdp2_compiled": ({"tp": 2, "dp_shard": 2},
+                           lambda f8: [TensorParallel(), SequenceParallel(), f8, DataParallel("fsdp"),
+                                       Compile("aot_eager")]),
+}
+MOE = {"ep2_fsdp2"}  # the suite's MoE model: attention linears in FP8, the experts' grouped GEMMs bf16
+MICROBATCHES = {"pp2": 2}  # the one-rank runs take the same micro-batches (current scaling sees each one)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_fp8_linear_sharded_equals_one_rank(recipe, style):
+    grid = mesh(dp_shard=2, tp=2)
+    tp_mesh, data = grid["tp"], grid["dp_shard"]
+    group = submesh(grid, "dp_shard", "tp", flatten="dp_shard_tp").get_group()  # every rank holding a piece
+    fp8 = Float8Recipe(recipe, "hybrid", amax_history_len=2)
+    states = [Float8State(2), Float8State(2)]  # one rank's, the sharded run's
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 96, generator=gen) * 0.05
+    worst = 0.0
+    for step in range(2):
+        x = torch.randn(2, 16, 96, generator=gen) * (1.0 + step)  # another range each step: the history matters
+        grad = torch.randn(2, 16, 64, generator=gen) * 1e-3
+        ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref_out = float8_linear(ref_x, ref_w, None, fp8, states[0])
+        ref_out.backward(grad)
+
+        rows = slice(data.get_local_rank(), None, 2)  # this data rank's sequences
+        w = distribute_tensor(weight.clone(), tp_mesh, [Shard(0 if style == "colwise" else 1)]).requires_grad_()
+        # Column-parallel: the input is replicated over TP; row-parallel: split on its features.
+        features = slice(None) if style == "colwise" else \
+            slice(tp_mesh.get_local_rank() * 48, (tp_mesh.get_local_rank() + 1) * 48)
+        local_x = x[rows][..., features].clone().requires_grad_()
+        dx = DTensor.from_local(local_x, tp_mesh, [Replicate() if style == "colwise" else Shard(-1)], run_check=False)
+        out = float8_linear(dx, w, None, fp8, states[1], group)
+        out.full_tensor().backward(grad[rows])
+        grad_w = full(w.grad)
+        dist.all_reduce(grad_w, group=data.get_group())  # the data ranks' halves of the weight gradient
+        worst = max(worst, relative_error(out.full_tensor(), ref_out[rows]), relative_error(local_x.grad, ref_x.grad[rows][..., features]),
+                    relative_error(grad_w, ref_w.grad))
+        reduce_and_update_scales([states[0]], fp8, None)
+        reduce_and_update_scales([states[1]], fp8, group)
+    assert worst <= LINEAR_RTOL, worst
+
+
+def _float8(recipe: str) -> Float8:
+    return Float8(recipe=recipe, format="hybrid", amax_history_len=4, amax_compute_algo="max", min_features=16)
+
+
+def _run(pm, batch, optimizer, microbatches=None):
+    optimizer.zero_grad()
+    loss = pm.forward_backward(batch, microbatches)
+    grads = {name: full(p.grad).clone() for name, p in pm.named_parameters()}
+    optimizer.step()
+    pm.after_optimizer_step()
+    return loss, grads
+
+
+def _worst(grads: dict, reference: dict) -> float:
+    return max(relative_error(grad, reference[key]) for key, grad in grads.items())
+
+
+# Delayed scaling under every plan; tensorwise and rowwise (inline reductions) under TP2+SP and FSDP2.
+CASES = [(name, "delayed") for name in PLANS] + [(name, recipe) for recipe in ("tensorwise", "rowwise")
+                                                  for name in ("tp2_sp", "fsdp2")]
+
+
+@pytest.mark.parametrize("name, recipe", CASES)
+def test_fp8_plans_within_fp8_noise_of_one_rank(name, recipe):
+    sizes, passes = PLANS[name]
+    if name in MOE:
+        from tests.distributed.test_moe import moe_llama
+
+        config = moe_llama()
+    else:
+        config = debug_llama(tie_embeddings=False)
+    _, meta_copy = build_dtmega_llama(config, seed=41)
+    reference = dtmega.parallelize(meta_copy(), mesh(), [DataParallel("fsdp")])
+    one = dtmega.parallelize(meta_copy(), mesh(), [_float8(recipe), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), passes(_float8(recipe)))
+    models = (reference, one, pm)
+    for model in models:
+        model.init_weights(seed=41)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for m in models]
+    microbatches = MICROBATCHES.get(name)
+    for step in range(3):
+        batch = dtmega.synthetic_batch(8, 32, config.vocab_size, seed=100 + step, masked_fraction=0.25)
+        loss_ref, grads_ref = _run(reference, batch, optimizers[0], microbatches)
+        loss_one, grads_one = _run(one, batch, optimizers[1], microbatches)
+        loss_pm, grads_pm = _run(pm, pm.shard_batch(batch), optimizers[2])
+        noise = {"loss": relative_error(loss_one, loss_ref), "grad": _worst(grads_one, grads_ref)}
+        sharded = {"loss": relative_error(loss_pm, loss_ref), "grad": _worst(grads_pm, grads_ref)}
+        assert noise["grad"] > 1e-3, f"FP8 left the gradients unchanged ({noise}): the linears did not run in FP8"
+        assert sharded["loss"] <= 2 * noise["loss"] + 1e-5, (step, sharded, noise)
+        assert sharded["grad"] <= 1.25 * noise["grad"] + 0.01, (step, sharded, noise)
+
+
+def test_torchao_fp8_all_gather_changes_communication_not_numerics():
+    """torchao's backend (tensorwise: its FP8 all-gather takes no other recipe) under FSDP2, with and without FP8 all-gather (--fp8-param-gather), 3
+    AdamW steps. The FP8 all-gather casts each weight shard with the whole weight's scale (its
+    amax all-reduced after each optimizer step) and gathers FP8 bytes; without it the full
+    weight is gathered and cast with the same scale. Same FP8 values either way: 1e-5 relative
+    (fp32 summation order). (torchao's backend against dtmega's own on one rank:
+    tests/unit/test_float8_plan.py.)"""
+    config = debug_llama(tie_embeddings=False)
+    _, meta_copy = build_dtmega_llama(config, seed=43)
+    runs = {gather: dtmega.parallelize(meta_copy(), mesh(dp_shard=2), [
+        Float8(recipe="tensorwise", format="hybrid", backend="torchao", param_gather=gather, min_features=16),
+        DataParallel("fsdp")]) for gather in (False, True)}
+    for model in runs.values():
+        model.init_weights(seed=43)
+    optimizers = {key: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5) for key, m in runs.items()}
+    for step in range(3):
+        batch = dtmega.synthetic_batch(8, 32, config.vocab_size, seed=200 + step, masked_fraction=0.25)
+        (loss, grads), (loss_ag, grads_ag) = (_run(runs[key], runs[key].shard_batch(batch), optimizers[key])
+                                              for key in (False, True))
+        assert relative_error(loss_ag, loss) <= LINEAR_RTOL, step
+        assert _worst(grads_ag, grads) <= LINEAR_RTOL, step

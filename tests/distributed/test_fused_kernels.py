@@ -1,0 +1,68 @@
+"""Fused kernels on (FuseKernels: the references on CPU; the fused loss vocab-parallel under TP)
+against the unsharded model: loss, every gradient, 5 AdamW steps, at the suite's fp32
+tolerances (tests/helpers.py), for every plan of the numerics matrix and compiled blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+import dtmega
+from dtmega.passes import (
+    ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Recompute, SequenceParallel,
+    TensorParallel,
+)
+from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, mesh
+from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
+
+PLANS = {
+    "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel(), FuseKernels()]),
+    "fsdp2": (dict(dp_shard=2), [FuseKernels(), DataParallel("fsdp")]),
+    "hsdp2x2": (dict(dp_replicate=2, dp_shard=2), [FuseKernels(), DataParallel("hsdp")]),
+    "cp2": (dict(cp=2), [ContextParallel(), FuseKernels(), DataParallel("fsdp")]),
+    "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), FuseKernels(), DataParallel("ddp")]),
+    "tp2_sp_fsdp2_recompute": (dict(tp=2, dp_shard=2), [TensorParallel(), SequenceParallel(), Recompute("full"),
+                                                         FuseKernels(), DataParallel("fsdp")]),
+    "tp2_selective_ddp2": (dict(tp=2, dp_replicate=2), [TensorParallel(), Recompute("selective"), FuseKernels(),
+                                                        DataParallel("ddp")]),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_fused_kernels_match_unsharded(name):
+    sizes, passes = PLANS[name]
+    config = debug_llama(tie_embeddings=False) if "pp" in sizes else debug_llama()
+    reference, meta_copy = build_dtmega_llama(config, seed=21)
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm.init_weights(seed=21)
+    assert pm.layout["output"].kernel == "cross_entropy.fused_linear.reference"
+    assert pm.layout["layers.0.ffn_norm"].kernel == "rms_norm_residual.reference"
+    batch = 8 if "pp" in sizes else 4
+    assert_close_to_reference(compare_training(reference, pm, steps=5, batch_size=batch, seq_len=32))
+
+
+def test_fused_kernels_with_expert_parallelism_match_unsharded():
+    from tests.distributed.test_moe import moe_llama
+
+    reference, meta_copy = build_dtmega_llama(moe_llama(), seed=22)
+    pm = dtmega.parallelize(meta_copy(), mesh(ep=2, dp_shard=2), [ExpertParallel(), FuseKernels(), DataParallel("fsdp")])
+    pm.init_weights(seed=22)
+    assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
+
+
+def test_fused_kernels_in_compiled_blocks_match_unsharded():
+    reference, meta_copy = build_dtmega_llama(debug_llama(), seed=23)
+    pm = dtmega.parallelize(meta_copy(), mesh(tp=2, dp_shard=2),
+                            [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp")])
+    pm.init_weights(seed=23)
+    pm.compile(backend="aot_eager")
+    assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))
+
+
+@pytest.mark.parametrize("build", [hf_tiny_llama, torchtitan_debug_llama], ids=["hf_llama", "torchtitan_llama3"])
+def test_other_libraries_models_with_fused_kernels_match_unsharded(build):
+    reference = build(seed=24)
+    pm = dtmega.parallelize(clone_module(reference), mesh(tp=2, dp_shard=2),
+                            [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp")])
+    kernels = {entry.kernel for entry in pm.layout.modules.values() if entry.kernel}
+    assert {"rms_norm.reference", "swiglu.reference", "cross_entropy.fused_linear.reference"} <= kernels
+    assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))

@@ -42,7 +42,8 @@ def run(level: str) -> tuple[str, str, float, int]:
     lines = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     summary = lines[-1].strip("= ") if lines else f"no pytest summary (exit {done.returncode})"
     if done.returncode:
-        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n")
+        fatal = done.stderr.find("Fatal Python error")  # a crash: faulthandler's stacks come first
+        print(done.stdout[-6000:], done.stderr[fatal:][:8000] if fatal >= 0 else done.stderr[-3000:], sep="\n")
     return used, summary, seconds, done.returncode
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtmega.kernels.float8 import FP8_MAX, Float8Recipe, amax, quantize, scale_from_amax, scaled_mm
+from dtmega.kernels.float8 import Float8Recipe, amax, quantize, scale_from_amax, scaled_mm
 
 X, W, G = 0, 1, 2  # the three tensors an FP8 linear scales: input, weight, output gradient
 
@@ -74,10 +74,9 @@ def reduce_and_update_scales(states: list[Float8State], recipe: Float8Recipe, gr
     history[:, :, 0] = current
     basis = history.max(dim=2).values if recipe.amax_compute_algo == "max" else history[:, :, 0]
     previous = torch.stack([s.scale for s in states])
-    limits = torch.tensor([FP8_MAX[recipe.forward_dtype], FP8_MAX[recipe.forward_dtype],
-                           FP8_MAX[recipe.backward_dtype]], device=basis.device)
-    scale = limits / basis.float() / (2.0 ** recipe.margin)
-    scale = torch.where(torch.isfinite(scale) & (basis > 0), scale, previous)  # as scale_from_amax
+    # Columns X and W take the forward format's range, G the backward's.
+    scale = torch.cat([scale_from_amax(basis[:, :G], recipe.forward_dtype, recipe.margin, previous[:, :G]),
+                       scale_from_amax(basis[:, G:], recipe.backward_dtype, recipe.margin, previous[:, G:])], dim=1)
     torch._foreach_copy_([s.history for s in states], list(history.unbind(0)))
     torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
     torch._foreach_zero_([s.current for s in states])

@@ -51,7 +51,7 @@ def interpret(monkeypatch, request) -> bool:
     asserts its outcome there and the caller returns at once."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not triton_available():
-        pytest.skip("triton is not installed")
+        pytest.skip(reason="triton is not installed (CPU-only installs without the dev extra): the Triton kernels cannot be interpreted")
     if interpreter_ready():
         return True
     assert not os.environ.get("DTMEGA_INTERPRETER_CHILD"), "triton was imported before TRITON_INTERPRET=1"
@@ -72,7 +72,7 @@ def one_rank_mesh():
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     elif dist.get_world_size() != 1:
-        pytest.skip("a process group of several ranks is active")
+        pytest.skip(reason="a process group of several ranks is active: a 1-rank mesh cannot be built inside it")
     yield DeviceMesh("cpu", [0])
     if created:
         dist.destroy_process_group()

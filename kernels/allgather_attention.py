@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dtmega.kernels.attention_blocks import attend, attend_backward, visible_block
 from dtmega.kernels.context_shards import token_indices
+from dtmega.kernels.precision import accumulation_dtype
 
 
 def _blocks(kv: torch.Tensor, gathered: torch.Tensor, pending, positions, rank: int, causal: bool):
@@ -49,15 +50,15 @@ class AllGatherAttention(torch.autograd.Function):
         q, gathered, out, lse = ctx.saved_tensors
         positions, rank, group, causal, scale, stats, fused = ctx.meta
         grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dgathered = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
+        dgathered = torch.zeros(gathered.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         for owner, theirs in enumerate(positions):
             visible = visible_block(positions[rank], theirs, causal)
             if visible is not None:
                 dk, dv, col = attend_backward(grad_out, q, out, lse, gathered[owner], visible, scale, fused, dq)
                 dgathered[owner, 0, :, :, :col] += dk
                 dgathered[owner, 1, :, :, :col] += dv
-        dkv = torch.empty(gathered.shape[1:], dtype=torch.float32, device=q.device)
+        dkv = torch.empty(gathered.shape[1:], dtype=accumulation_dtype(q.dtype), device=q.device)
         dist.reduce_scatter_tensor(dkv, dgathered.flatten(0, 1), group=group)
         if stats is not None:
             stats.add(dkv, len(positions) - 1)

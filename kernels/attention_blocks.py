@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from dtmega.kernels.precision import accumulation_dtype
+
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, H, S, D] -> [B, Hkv, G, S, D]: each key/value head with the G query heads it serves."""
@@ -30,10 +32,12 @@ def _probabilities(q, k, lse, causal: bool, scale: float) -> torch.Tensor:
 
 
 def reference_block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32), computed in fp32 matmuls."""
+    """(out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] fp32 or float64), computed in fp32
+    matmuls (float64 for float64 inputs)."""
     kv_heads = k.shape[1]
-    qg = _grouped(q.float(), kv_heads)
-    kg, vg = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    accumulate = accumulation_dtype(q.dtype)
+    qg = _grouped(q.to(accumulate), kv_heads)
+    kg, vg = k.to(accumulate).unsqueeze(2), v.to(accumulate).unsqueeze(2)
     scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
     if causal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -47,8 +51,9 @@ def reference_block_attention_backward(dout, q, k, v, out, lse, causal: bool, sc
     """(dq, dk, dv) of one block, given the *whole* attention's out and lse (so the block's
     share of the softmax is exact); in the inputs' dtypes."""
     kv_heads = k.shape[1]
-    qg, dog, og = (_grouped(t.float(), kv_heads) for t in (q, dout, out))
-    kg, vg = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    accumulate = accumulation_dtype(q.dtype)
+    qg, dog, og = (_grouped(t.to(accumulate), kv_heads) for t in (q, dout, out))
+    kg, vg = k.to(accumulate).unsqueeze(2), v.to(accumulate).unsqueeze(2)
     p = _probabilities(qg, kg, _grouped(lse.unsqueeze(-1), kv_heads).squeeze(-1), causal, scale)
     delta = (dog * og).sum(dim=-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
@@ -67,7 +72,7 @@ def block_attention(q, k, v, causal: bool, scale: float, fused: bool | None = No
     kernel where one exists for the device."""
     if _fused(q.device) if fused is None else fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, lse.to(accumulation_dtype(q.dtype))
     return reference_block_attention(q, k, v, causal, scale)
 
 
@@ -103,15 +108,16 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     """Folds a block's partial softmax result into the running one, in place."""
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1))
-    out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
 
 
 def attend(q: torch.Tensor, blocks, scale: float, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` over key/value blocks, given as (stacked [2, B, Hkv, S, D] block, its
-    `visible_block`) pairs in any order: (out in q's dtype, lse fp32)."""
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    `visible_block`) pairs in any order: (out in q's dtype, lse fp32, or float64 for float64 q)."""
+    accumulate = accumulation_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=accumulate, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=accumulate, device=q.device)
     for kv, visible in blocks:
         if visible is None:
             continue

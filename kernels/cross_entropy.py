@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from dtmega.kernels.precision import accumulation_dtype
+
 
 def is_vocab_sharded(logits: torch.Tensor) -> bool:
     """True if `logits` is a DTensor sharded along its last (vocab) dim."""
@@ -32,12 +34,14 @@ def cross_entropy_context(logits: torch.Tensor) -> Iterator[None]:
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """-log softmax(logits)[label] for every token, fp32, as a plain [B, S] tensor.
+    """-log softmax(logits)[label] for every token, fp32 (float64 for float64 logits), as a
+    plain [B, S] tensor.
 
     Call inside `cross_entropy_context(logits)`.
     """
     batch, seq = labels.shape
-    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    losses = F.cross_entropy(logits.to(accumulation_dtype(logits.dtype)).flatten(0, 1), labels.flatten(),
+                             reduction="none")
     if isinstance(losses, DTensor):
         losses = losses.to_local()
     return losses.view(batch, seq)

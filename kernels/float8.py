@@ -71,9 +71,10 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0,
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """clamp(x * scale) to the FP8 type's range, cast to it (scale broadcasts: per tensor, row or column)."""
+    """clamp(x * scale) to the FP8 type's range, cast to it (scale broadcasts: per tensor, row or
+    column). x * scale is taken in fp32, or in float64 for a float64 x (no rounding before the cast)."""
     limit = FP8_MAX[dtype]
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    return (x.to(torch.promote_types(x.dtype, torch.float32)) * scale).clamp(-limit, limit).to(dtype)
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -87,7 +88,16 @@ def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) for FP8 a [M, K], b [K, N] with fp32 accumulation; the
-    layouts cuBLAS wants (a row-major, b column-major) are made here."""
+    layouts cuBLAS wants (a row-major, b column-major) are made here.
+
+    For a float64 result the product is accumulated in float64 instead (`torch._scaled_mm`
+    accumulates in fp32 whatever its output type): each FP8 value times its fp32 inverse scale
+    is exact in float64, so the result is the exact quantized product up to float64 rounding.
+    Float64 models are how the suite shows that a sharded FP8 run quantizes to the very same
+    values as one rank (tests/distributed/test_float8.py); nothing fast runs in float64."""
+    if out_dtype == torch.float64:
+        inverse_a, inverse_b = scale_a.reciprocal().float().double(), scale_b.reciprocal().float().double()
+        return (a.double() * inverse_a) @ (b.double() * inverse_b)
     a = a if a.is_contiguous() else a.contiguous()
     b = b if b.t().is_contiguous() else b.t().contiguous().t()
     return torch._scaled_mm(a, b, scale_a=scale_a.reciprocal().float(), scale_b=scale_b.reciprocal().float(),

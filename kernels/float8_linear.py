@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtmega.kernels.float8 import Float8Recipe, amax, quantize, scale_from_amax, scaled_mm
+from dtmega.kernels.float8_gather import Float8GatheredWeight
 
 X, W, G = 0, 1, 2  # the three tensors an FP8 linear scales: input, weight, output gradient
 
@@ -53,7 +54,8 @@ class Float8State:
         self.ready = True
 
 
-def _all_max(value: torch.Tensor, group) -> torch.Tensor:
+def reduce_max(value: torch.Tensor, group) -> torch.Tensor:
+    """`value` all-reduced (MAX, in place) over `group`; unchanged when the group is None or one rank."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value
@@ -69,7 +71,7 @@ def reduce_and_update_scales(states: list[Float8State], recipe: Float8Recipe, gr
     for the 112 FP8 linears of a 1.5 B Llama), which a GPU step notices."""
     if not states:
         return
-    current = _all_max(torch.stack([s.current for s in states]), group)  # [n, 3]
+    current = reduce_max(torch.stack([s.current for s in states]), group)  # [n, 3]
     history = torch.roll(torch.stack([s.history for s in states]), 1, dims=2)  # [n, 3, H], newest at 0
     history[:, :, 0] = current
     basis = history.max(dim=2).values if recipe.amax_compute_algo == "max" else history[:, :, 0]
@@ -84,19 +86,22 @@ def reduce_and_update_scales(states: list[Float8State], recipe: Float8Recipe, gr
         state.ready = True
 
 
-def _tensor_scale(t: torch.Tensor, index: int, dtype, recipe: Float8Recipe, state: Float8State | None, group):
-    """The scale of `t` (tensor `index` of the linear) under a per-tensor recipe."""
+def _tensor_scale(t: torch.Tensor, index: int, dtype, recipe: Float8Recipe, state: Float8State | None, group,
+                  record: bool):
+    """The scale of `t` (tensor `index` of the linear) under a per-tensor recipe; delayed
+    scaling adds t's amax to the step's when `record` (a training pass on real data)."""
     if recipe.scaling == "delayed":
-        state.record(index, amax(t))
+        if record:
+            state.record(index, amax(t))
         if state.ready:
             return state.scale[index].to(t.device)
-    return scale_from_amax(_all_max(amax(t), group), dtype, recipe.margin)
+    return scale_from_amax(reduce_max(amax(t), group), dtype, recipe.margin)
 
 
 def _row_scale(t: torch.Tensor, dim: int, dtype, recipe: Float8Recipe, group) -> torch.Tensor:
     """Per-row (dim=1) or per-column (dim=0) scales of a 2-D tensor, reduced over `group` (the
     tensor-parallel group when the reduced dim is sharded over it, else None)."""
-    return scale_from_amax(_all_max(amax(t, dim=dim), group), dtype, recipe.margin)
+    return scale_from_amax(reduce_max(amax(t, dim=dim), group), dtype, recipe.margin)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -105,7 +110,7 @@ class _Float8Matmul(torch.autograd.Function):
     output features, 1: input features), so rowwise scales reduce only over sharded dims."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe: Float8Recipe, state, group, tp_group, tp_dim, out_dtype):
+    def forward(ctx, x, w, recipe: Float8Recipe, state, group, tp_group, tp_dim, out_dtype, record):
         fwd = recipe.forward_dtype
         over_k = tp_group if tp_dim == 1 else None  # the input-feature dim is split over TP
         over_n = tp_group if tp_dim == 0 else None  # the output-feature dim is split over TP
@@ -113,12 +118,16 @@ class _Float8Matmul(torch.autograd.Function):
         if recipe.scaling == "rowwise":
             sx, sw = _row_scale(x, 1, fwd, recipe, over_k), _row_scale(w, 1, fwd, recipe, over_k)
         else:
-            sx, sw = (_tensor_scale(x, X, fwd, recipe, state, group), _tensor_scale(w, W, fwd, recipe, state, group))
-        qx, qw = quantize(x, sx, fwd), quantize(w, sw, fwd)
+            sx = _tensor_scale(x, X, fwd, recipe, state, group, record)
+            # An FP8-gathered weight (--fp8-param-gather) arrives cast, with the whole weight's scale.
+            sw = w._scale if isinstance(w, Float8GatheredWeight) else _tensor_scale(w, W, fwd, recipe, state, group,
+                                                                                     record)
+        qx = quantize(x, sx, fwd)
+        qw = w._data if isinstance(w, Float8GatheredWeight) else quantize(w, sw, fwd)
         out = scaled_mm(qx, qw.t(), sx, sw.t() if sw.dim() else sw, out_dtype)
         ctx.save_for_backward(qx, sx, qw, sw, w if recipe.scaling == "rowwise" else torch.empty(0),
                               x if recipe.scaling == "rowwise" else torch.empty(0))
-        ctx.recipe, ctx.state, ctx.group, ctx.dtypes = recipe, state, group, (x.dtype, w.dtype)
+        ctx.recipe, ctx.state, ctx.group, ctx.dtypes, ctx.record = recipe, state, group, (x.dtype, w.dtype), record
         return out
 
     @staticmethod
@@ -133,12 +142,13 @@ class _Float8Matmul(torch.autograd.Function):
             grad_x = scaled_mm(quantize(grad, sg, bwd), quantize(w_hp, sw_in, recipe.forward_dtype), sg, sw_in,
                                ctx.dtypes[0])
             grad_w = (grad.t().to(x_hp.dtype) @ x_hp).to(ctx.dtypes[1])  # contraction over tokens: high precision
-            return grad_x, grad_w, None, None, None, None, None, None
-        sg = _tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group)
+            return grad_x, grad_w, None, None, None, None, None, None, None
+        sg = _tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group, ctx.record)
         qg = quantize(grad, sg, bwd)
         grad_x = scaled_mm(qg, qw, sg, sw, ctx.dtypes[0])
-        grad_w = scaled_mm(qg.t(), qx, sg, sx, torch.float32).to(ctx.dtypes[1])
-        return grad_x, grad_w, None, None, None, None, None, None
+        accumulate = torch.float64 if ctx.dtypes[1] == torch.float64 else torch.float32
+        grad_w = scaled_mm(qg.t(), qx, sg, sx, accumulate).to(ctx.dtypes[1])
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def _output_placements(x: torch.Tensor, w: torch.Tensor):
@@ -152,10 +162,12 @@ def _output_placements(x: torch.Tensor, w: torch.Tensor):
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe,
-                  state: Float8State | None, group=None) -> torch.Tensor:
+                  state: Float8State | None, group=None, record: bool = True) -> torch.Tensor:
     """F.linear(x, weight, bias) with the matmul in FP8 (see the module docstring). `weight`
     may be a DTensor sharded on one tensor-parallel mesh dim (x then a DTensor on it too);
-    `group` is what per-tensor amaxes are reduced over (None: this rank alone)."""
+    `group` is what per-tensor amaxes are reduced over (None: this rank alone). `record=False`
+    keeps this call's amaxes out of delayed scaling's history (evaluation, and the stand-in
+    tensors a pipeline stage runs to infer shapes); it still uses the current scales."""
     if recipe.scaling == "delayed" and state is None:
         raise ValueError("delayed scaling needs a Float8State for its amax history")
     column_parallel = isinstance(weight, DTensor) and isinstance(weight.placements[0], Shard) \
@@ -164,14 +176,15 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # sum over its output features: say so, or the partial sums would never be reduced.
     local_x = x.to_local(grad_placements=[Partial()] if column_parallel else None) if isinstance(x, DTensor) else x
     local_w = weight.to_local() if isinstance(weight, DTensor) else weight
-    out_dtype = local_x.dtype if local_x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out_dtype = local_x.dtype if local_x.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16) \
+        else torch.float32
     if torch.is_autocast_enabled(local_x.device.type):
         out_dtype = torch.get_autocast_dtype(local_x.device.type)
     flat = local_x.reshape(-1, local_x.shape[-1])
     tp_group = tp_dim = None
     if isinstance(weight, DTensor) and isinstance(weight.placements[0], Shard):
         tp_group, tp_dim = weight.device_mesh.get_group(), weight.placements[0].dim % 2
-    out = _Float8Matmul.apply(flat, local_w, recipe, state, group, tp_group, tp_dim, out_dtype)
+    out = _Float8Matmul.apply(flat, local_w, recipe, state, group, tp_group, tp_dim, out_dtype, record)
     out = out.view(*local_x.shape[:-1], -1)
     if isinstance(weight, DTensor):
         out = DTensor.from_local(out, weight.device_mesh, _output_placements(x, weight), run_check=False)

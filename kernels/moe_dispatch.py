@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from dtmega.kernels.context_shards import CommStats
+from dtmega.kernels.precision import accumulation_dtype
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -42,7 +43,7 @@ def sort_by_expert(ids: torch.Tensor, keep: torch.Tensor | None, num_experts: in
 def weighted_sum(rows: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, top_k: int, tokens: int) -> torch.Tensor:
     """[tokens, D]: each expert output row times its router weight, summed into its token."""
     weights = probs.reshape(-1)[order].unsqueeze(1)
-    weighted = (rows.float() * weights).to(rows.dtype)
+    weighted = (rows.to(accumulation_dtype(rows.dtype)) * weights).to(rows.dtype)
     out = rows.new_zeros(tokens, rows.shape[1])
     return out.index_add(0, order // top_k, weighted)
 

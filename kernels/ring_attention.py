@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dtmega.kernels.attention_blocks import attend, attend_backward, visible_block
 from dtmega.kernels.context_shards import CommStats, token_indices
+from dtmega.kernels.precision import accumulation_dtype
 
 
 class _Transfer:
@@ -75,9 +76,9 @@ class RingAttention(torch.autograd.Function):
         seq_len, group, zigzag, causal, scale, stats, fused = ctx.meta
         ring = _Ring(group, seq_len, zigzag, causal, q.device)
         grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=accumulation_dtype(kv.dtype), device=kv.device)
         dkv_transfer = None
         for block, visible in ring.blocks(kv, stats):
             grads = attend_backward(grad_out, q, out, lse, block, visible, scale, fused, dq) if visible else None

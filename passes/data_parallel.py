@@ -208,6 +208,10 @@ def precision_policy(precision: str | None) -> MixedPrecisionPolicy:
     fields = dict(item.split("=", 1) for item in (precision or "").split() if "=" in item)
     names = {short: name for name, short in _SHORT.items()}
     param, reduce = names[fields.get("param", "fp32")], names[fields.get("reduce", "fp32")]
+    if param == reduce == "float32":
+        # No mixed precision: gradients reduce in the parameters' own dtype (fp32, or float64 for
+        # a float64 model, which an fp32 reduction would silently round).
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=None if param == "float32" else _dtype(param), reduce_dtype=_dtype(reduce))
 
 

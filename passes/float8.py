@@ -9,9 +9,10 @@ auto-filter idea). It refuses a device without FP8 tensor cores (CPU is the test
 off Blackwell, and a backend that is not installed, naming the install command.
 
 Backends: "dtmega" (dtmega.kernels.float8_linear on `torch._scaled_mm`: delayed, tensorwise
-and rowwise scaling; composes with TP/SP, FSDP, CP, PP, EP, recompute); "torchao"
-(`Float8Linear`, tensorwise/rowwise, with FP8 all-gather under FSDP); "transformer_engine"
-(its `Linear` and `fp8_autocast` recipes; passes/float8_te.py).
+and rowwise scaling; composes with TP/SP, FSDP, CP, PP, EP, recompute; `param_gather`: FSDP2
+gathers the weights in FP8, dtmega.kernels.float8_gather); "torchao" (`Float8Linear`,
+tensorwise/rowwise, with torchao's FP8 all-gather under FSDP); "transformer_engine" (its
+`Linear` and `fp8_autocast` recipes; passes/float8_te.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from dtmega.kernels.float8 import AMAX_ALGOS, FORMATS, Float8Recipe
-from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
+from dtmega.kernels.float8_gather import Float8GatherScale, gather_weight_in_fp8
+from dtmega.kernels.float8_linear import W, Float8State, float8_linear, reduce_and_update_scales, reduce_max
 from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
@@ -60,7 +62,7 @@ class Float8(Pass):
     backend: str = "dtmega"
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
-    param_gather: bool = False  # FSDP all-gathers the weights in FP8 (torchao backend)
+    param_gather: bool = False  # FSDP all-gathers the weights in FP8 (delayed/tensorwise; dtmega or torchao)
     first_blocks_bf16: int = 0
     last_blocks_bf16: int = 0
     include_output: bool = False
@@ -112,10 +114,12 @@ class Float8(Pass):
             raise PlanError(f"torchao's {self.recipe} recipe is {torchao_format} (tensorwise: e4m3 forward, e5m2 "
                             f"gradients; rowwise: e4m3 everywhere), not {self.format}. Fix: format="
                             f"'{torchao_format}' (--fp8-format {torchao_format}), or backend='dtmega'")
-        if self.param_gather and self.recipe != "tensorwise":
+        gather_recipes = {"dtmega": ("delayed", "tensorwise"), "torchao": ("tensorwise",)}.get(self.backend, ())
+        if self.param_gather and self.recipe not in gather_recipes:
+            supported = " and ".join(gather_recipes) or "no recipe"
             raise PlanError(f"FP8 all-gather (param_gather, --fp8-param-gather) casts weight shards with one scale per "
-                            f"tensor: torchao does it for tensorwise scaling only, not {self.recipe}. Fix: recipe="
-                            "'tensorwise' (--fp8-recipe tensorwise), or drop param_gather")
+                            f"tensor: backend {self.backend!r} does it for {supported}, not {self.recipe}. Fix: recipe 'delayed' or 'tensorwise' with backend='dtmega' "
+                            "(--fp8-recipe delayed), or drop param_gather")
         if self.backend == "torchao" and program.role_size("tensor") > 1:
             raise PlanError("Float8(backend='torchao') is not wired to tensor parallelism here. Fix: backend='dtmega'")
 
@@ -153,9 +157,10 @@ class Float8(Pass):
 
     def finalize(self, program: Program) -> None:
         data = program.result(DataParallelism)
-        if self.param_gather and (self.backend != "torchao" or data is None or data.mode == "ddp"):
-            raise PlanError("FP8 all-gather (param_gather, --fp8-param-gather) gathers FSDP-sharded weights in FP8 "
-                            "with torchao's Float8Linear. Fix: backend='torchao' with DataParallel('fsdp'/'hsdp')")
+        if self.param_gather and (data is None or data.mode == "ddp"):
+            raise PlanError("FP8 all-gather (param_gather, --fp8-param-gather) gathers FSDP-sharded weights in FP8; "
+                            "this plan shards no weights. Fix: DataParallel('fsdp') or 'hsdp' "
+                            "(--use-distributed-optimizer), or drop param_gather")
 
     def apply(self, program: Program) -> None:
         choice = program.require(Float8Choice, "Float8.apply")
@@ -177,7 +182,11 @@ class Float8(Pass):
                 state = Float8State(self.amax_history_len, program.mesh.device_type) if self.recipe == "delayed" else None
                 if state is not None:
                     states[fqn] = state
+                module.counting = True  # off while a pipeline stage infers shapes on stand-in tensors
                 module.forward = _fp8_forward(module, recipe, state, group)
+                if self.param_gather:
+                    gather_weight_in_fp8(module, Float8GatherScale(
+                        recipe.forward_dtype, recipe.margin, state, W, lambda amax: reduce_max(amax, group), module))
         program.add_hook(Float8Scaling(states, recipe, group))
 
 
@@ -190,7 +199,14 @@ def amax_group(program: Program):
 
 
 def _fp8_forward(module: nn.Linear, recipe: Float8Recipe, state, group):
-    return lambda x: float8_linear(x, module.weight, module.bias, recipe, state, group)
+    """The linear's forward in FP8. Delayed scaling's history takes the amaxes of training
+    passes only: not evaluation (validation data must not change the training run's scales),
+    not a pipeline stage's shape inference on stand-in tensors (`counting` off)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        record = module.training and torch.is_grad_enabled() and module.counting
+        return float8_linear(x, module.weight, module.bias, recipe, state, group, record)
+
+    return forward
 
 
 class Float8Scaling(RuntimeHook):

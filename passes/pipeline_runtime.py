@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtmega.kernels import per_token_cross_entropy
+from dtmega.kernels.precision import accumulation_dtype
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
 from dtmega.passes.results import PipelineStages
@@ -170,8 +171,10 @@ class PipelineExecutor(Executor):
                 schedule.step(*inputs, target=target, losses=losses, **kwargs)
             else:
                 schedule.eval(*inputs, target=target, losses=losses, **kwargs)
-        total = torch.zeros((), device=batch.tokens.device)
+        # Every stage reduces a scalar of the same dtype: fp32, or float64 for a float64 model.
+        dtype = accumulation_dtype(next(self.program.parts[0].parameters()).dtype)
+        total = torch.zeros((), dtype=dtype, device=batch.tokens.device)
         if self.has_last:
-            total = torch.stack([loss.detach() for loss in losses]).sum() / self.scale
+            total = (torch.stack([loss.detach() for loss in losses]).sum() / self.scale).to(dtype)
         dist.all_reduce(total, group=self.group)
         return total

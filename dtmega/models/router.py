@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtmega.kernels.precision import accumulation_dtype
 from dtmega.models.moe_config import MoEConfig
 
 
@@ -71,7 +72,8 @@ class Router(nn.Module):
         """Routes the T = batch*seq tokens of `x` [T, D]."""
         c = self.config
         weight = self.gate.weight
-        logits = F.linear(x.float(), weight.float())
+        dtype = accumulation_dtype(x.dtype)  # fp32 routing for bf16 models, float64 for float64 ones
+        logits = F.linear(x.to(dtype), weight.to(dtype))
         raw = torch.sigmoid(logits) if c.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = raw.detach()
         if c.expert_bias:

@@ -101,7 +101,7 @@ class TrainArgs:
     fp8_amax_history_len: int = _opt(1, "delayed scaling: steps of amax history")
     fp8_amax_compute_algo: str = _opt("most_recent", "delayed scaling: scale from the history's max or its newest",
                                       ("max", "most_recent"))
-    fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (the linears run on torchao's Float8Linear; tensorwise)")
+    fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (delayed or tensorwise scaling; needs --use-distributed-optimizer)")
     fp8_min_features: int = _opt(1024, "linears with fewer input or output features stay bf16 (FP8 loses there)")
     first_last_layers_bf16: bool = _opt(False, "keep the first and last blocks in bf16 under FP8")
     num_layers_at_start_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the start kept bf16")

@@ -288,11 +288,10 @@ def float8_pass(args: TrainArgs) -> Float8 | None:
 
 
 def float8_backend(args: TrainArgs) -> str:
-    """Transformer Engine with --transformer-impl transformer_engine; torchao for FP8 all-gather
-    (--fp8-param-gather: torchao's Float8Linear gathers FSDP shards in FP8); else dtmega's own."""
-    if args.transformer_impl == "transformer_engine":
-        return "transformer_engine"
-    return "torchao" if args.fp8_param_gather else "dtmega"
+    """Transformer Engine with --transformer-impl transformer_engine, else dtmega's own FP8
+    linear (which also gathers FSDP shards in FP8 with --fp8-param-gather). torchao's
+    Float8Linear is the Python API's `Float8(backend="torchao")`."""
+    return "transformer_engine" if args.transformer_impl == "transformer_engine" else "dtmega"
 
 
 PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",

@@ -68,11 +68,19 @@ def test_annotate_marks_each_linear_and_says_why_the_others_stay_bf16():
     ({"backend": "torchao", "recipe": "tensorwise", "format": "e4m3"}, "torchao's tensorwise recipe is hybrid"),
     ({"backend": "torchao", "recipe": "rowwise", "format": "hybrid"}, "torchao's rowwise recipe is e4m3"),
     ({"backend": "torchao", "recipe": "rowwise", "format": "e4m3", "param_gather": True},
-     "torchao does it for tensorwise scaling only"),
+     "backend 'torchao' does it for tensorwise, not rowwise"),
+    ({"recipe": "rowwise", "param_gather": True}, "backend 'dtmega' does it for delayed and tensorwise, not rowwise"),
 ])
 def test_unusable_recipes_are_refused_at_check_time(kwargs, message):
     with pytest.raises(PlanError, match=message):
         dtmega.check_plan(_model(), {}, Plan([Float8(**kwargs)]))
+
+
+@pytest.mark.parametrize("shape, data_parallel", [({}, []), ({"dp_replicate": 2}, [DataParallel("ddp")])],
+                         ids=["no data parallelism", "ddp"])
+def test_fp8_all_gather_needs_sharded_weights(shape, data_parallel):
+    with pytest.raises(PlanError, match="this plan shards no weights. Fix: DataParallel\\('fsdp'\\)"):
+        dtmega.check_plan(_model(), shape, Plan([Float8(param_gather=True, min_features=16), *data_parallel]))
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,
@@ -119,8 +127,8 @@ def test_megatron_fp8_flags_map_onto_the_pass():
     plan = build_plan(args, run_shape(args, 4), 4)
     assert any(isinstance(p, Float8) and (p.format, p.recipe) == ("e4m3", "tensorwise") for p in plan.passes)
     assert float8_pass(parse_train_args([])[0]) is None
-    gather = float8_pass(parse_train_args(["--fp8-hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"])[0])
-    assert (gather.backend, gather.param_gather) == ("torchao", True)
+    gather = float8_pass(parse_train_args(["--fp8-hybrid", "--fp8-param-gather"])[0])
+    assert (gather.backend, gather.recipe, gather.param_gather) == ("dtmega", "delayed", True)
     with pytest.raises(ArgumentError, match="--fp8-param-gather need\\(s\\) FP8: add --fp8-format hybrid"):
         float8_pass(parse_train_args(["--fp8-param-gather"])[0])
     with pytest.raises(ArgumentError, match="--fp8-hybrid and --fp8-format e4m3 disagree"):
@@ -148,3 +156,32 @@ def test_the_seeds_fp8_command_line_stops_before_any_work(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "needs transformer_engine, which is not installed. Fix: pip install 'dtmega[te]'" in done.stderr
     assert not save.exists()
+
+
+def test_delayed_scaling_history_takes_training_passes_only(one_rank_mesh):
+    """Validation data must not move the training run's scales (a run's losses would then
+    depend on --eval-interval), and neither may the stand-in tensors a pipeline stage runs to
+    infer shapes (the float64 PP2 check in tests/distributed/test_float8.py caught that one):
+    delayed scaling records amaxes only in training passes with gradients."""
+    from dtmega.passes.float8 import Float8Scaling
+
+    pm = dtmega.parallelize(_model(), dtmega.make_mesh(dp_shard=1), Plan([
+        Float8(recipe="delayed", amax_history_len=4, min_features=16), DataParallel("fsdp")]))
+    pm.init_weights(seed=3)
+    states = list(pm.hook(Float8Scaling).states.values())
+    batch = pm.shard_batch(dtmega.synthetic_batch(4, 32, 256, seed=5, masked_fraction=0.25))
+    pm.eval()
+    with torch.no_grad():
+        pm.loss_sum(batch)
+    assert all(not state.current.any() for state in states), "an evaluation pass recorded amaxes"
+    pm.train()
+    linears = [m for m in pm.module.modules() if getattr(m, "counting", None) is not None]
+    assert len(linears) == len(states)
+    for linear in linears:  # what a pipeline stage does around its shape inference
+        linear.counting = False
+    pm.forward_backward(batch)
+    assert all(not state.current.any() for state in states), "a pass with counting off recorded amaxes"
+    for linear in linears:
+        linear.counting = True
+    pm.forward_backward(batch)
+    assert all(state.current.all() for state in states), "a training step left amaxes unrecorded"

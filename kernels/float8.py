@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtmega.kernels.precision import accumulation_dtype
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -74,14 +76,15 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """clamp(x * scale) to the FP8 type's range, cast to it (scale broadcasts: per tensor, row or
     column). x * scale is taken in fp32, or in float64 for a float64 x (no rounding before the cast)."""
     limit = FP8_MAX[dtype]
-    return (x.to(torch.promote_types(x.dtype, torch.float32)) * scale).clamp(-limit, limit).to(dtype)
+    return (x.to(accumulation_dtype(x.dtype)) * scale).clamp(-limit, limit).to(dtype)
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |x| (fp32), over everything or along `dim` (keeping it)."""
+    """max |x| (fp32), over everything or along `dim` (keeping it); 0 for an empty x (a rank's
+    share of an unevenly sharded tensor may be empty)."""
     x = x.detach()
     if dim is None:
-        return x.abs().max().float()
+        return x.abs().max().float() if x.numel() else torch.zeros((), device=x.device)
     return x.abs().amax(dim=dim, keepdim=True).float()
 
 
@@ -95,10 +98,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     is exact in float64, so the result is the exact quantized product up to float64 rounding.
     Float64 models are how the suite shows that a sharded FP8 run quantizes to the very same
     values as one rank (tests/distributed/test_float8.py); nothing fast runs in float64."""
+    inverse_a, inverse_b = scale_a.reciprocal().float(), scale_b.reciprocal().float()
     if out_dtype == torch.float64:
-        inverse_a, inverse_b = scale_a.reciprocal().float().double(), scale_b.reciprocal().float().double()
-        return (a.double() * inverse_a) @ (b.double() * inverse_b)
+        return (a.double() * inverse_a.double()) @ (b.double() * inverse_b.double())
     a = a if a.is_contiguous() else a.contiguous()
     b = b if b.t().is_contiguous() else b.t().contiguous().t()
-    return torch._scaled_mm(a, b, scale_a=scale_a.reciprocal().float(), scale_b=scale_b.reciprocal().float(),
-                            out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=inverse_a, scale_b=inverse_b, out_dtype=out_dtype)

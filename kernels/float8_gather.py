@@ -20,12 +20,13 @@ shards), so gathered and non-gathered runs quantize to the same FP8 values.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from dtmega.kernels.float8 import amax, quantize, scale_from_amax
+from dtmega.kernels.float8 import Float8Recipe, quantize
+from dtmega.kernels.precision import accumulation_dtype
 
 aten = torch.ops.aten
 
@@ -51,26 +52,26 @@ class Float8GatherScale:
     """How the shards of one weight find their common scale before an all-gather.
 
     `scale()` is called on every rank holding a piece of the weight, in the same order (FSDP2
-    gathers a unit's parameters in a fixed order): delayed scaling's weight scale once it has a
-    history, else the amax of the local shard reduced over `reduce_max` (a collective). The
-    local amax also joins delayed scaling's history for the step while `linear` trains (FSDP2
-    gathers under no_grad, so grad mode cannot tell; `counting` is off while a pipeline stage
-    infers shapes)."""
+    gathers a unit's parameters in a fixed order) and follows the FP8 linear's own rule for its
+    weight (`float8_linear.tensor_scale`): delayed scaling's weight scale once it has a history,
+    else the shard's amax reduced over `group` (a collective). The shard's amax joins delayed
+    scaling's history while `linear` trains (FSDP2 gathers under no_grad, so grad mode cannot
+    tell; `counting` is off while a pipeline stage infers shapes)."""
 
-    def __init__(self, fp8_dtype: torch.dtype, margin: int, state, index: int,
-                 reduce_max: Callable[[torch.Tensor], torch.Tensor], linear: torch.nn.Module):
-        self.fp8_dtype, self.margin, self.state, self.index = fp8_dtype, margin, state, index
-        self.reduce_max, self.linear = reduce_max, linear
+    def __init__(self, recipe: Float8Recipe, state, group, linear: torch.nn.Module):
+        self.recipe, self.state, self.group, self.linear = recipe, state, group, linear
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The FP8 type of weights (the recipe's forward type)."""
+        return self.recipe.forward_dtype
 
     def scale(self, shard: torch.Tensor) -> torch.Tensor:
         """The scale every rank casts its shard of the weight with (see the class docstring)."""
-        local = amax(shard) if shard.numel() else torch.zeros((), device=shard.device)
-        if self.state is not None:
-            if self.linear.training and getattr(self.linear, "counting", True):
-                self.state.record(self.index, local)
-            if self.state.ready:
-                return self.state.scale[self.index].clone()
-        return scale_from_amax(self.reduce_max(local.clone()), self.fp8_dtype, self.margin)
+        from dtmega.kernels.float8_linear import W, tensor_scale  # imports this module: no top-level cycle
+
+        record = self.linear.training and getattr(self.linear, "counting", True)
+        return tensor_scale(shard, W, self.fp8_dtype, self.recipe, self.state, self.group, record)
 
 
 class Float8ShardedWeight(torch.Tensor):
@@ -146,7 +147,7 @@ class Float8GatheredWeight(torch.Tensor):
 
     def dequantized(self) -> torch.Tensor:
         """The high-precision values this FP8 weight stands for."""
-        return (self._data.to(torch.promote_types(self.dtype, torch.float32)) / self._scale).to(self.dtype)
+        return (self._data.to(accumulation_dtype(self.dtype)) / self._scale).to(self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtmega.kernels.float8 import Float8Recipe, amax, quantize, scale_from_amax, scaled_mm
 from dtmega.kernels.float8_gather import Float8GatheredWeight
+from dtmega.kernels.precision import accumulation_dtype
 
 X, W, G = 0, 1, 2  # the three tensors an FP8 linear scales: input, weight, output gradient
 
@@ -86,10 +87,12 @@ def reduce_and_update_scales(states: list[Float8State], recipe: Float8Recipe, gr
         state.ready = True
 
 
-def _tensor_scale(t: torch.Tensor, index: int, dtype, recipe: Float8Recipe, state: Float8State | None, group,
-                  record: bool):
-    """The scale of `t` (tensor `index` of the linear) under a per-tensor recipe; delayed
-    scaling adds t's amax to the step's when `record` (a training pass on real data)."""
+def tensor_scale(t: torch.Tensor, index: int, dtype, recipe: Float8Recipe, state: Float8State | None, group,
+                 record: bool):
+    """The scale of `t` (tensor `index` of the linear: X, W or G) under a per-tensor recipe:
+    delayed scaling's current scale once it has a history, else max_fp8 / amax of `t` reduced
+    over `group` (the whole tensor's). Delayed scaling adds t's amax to the step's when
+    `record` (a training pass on real data). FP8 all-gather casts weight shards with it too."""
     if recipe.scaling == "delayed":
         if record:
             state.record(index, amax(t))
@@ -118,10 +121,10 @@ class _Float8Matmul(torch.autograd.Function):
         if recipe.scaling == "rowwise":
             sx, sw = _row_scale(x, 1, fwd, recipe, over_k), _row_scale(w, 1, fwd, recipe, over_k)
         else:
-            sx = _tensor_scale(x, X, fwd, recipe, state, group, record)
+            sx = tensor_scale(x, X, fwd, recipe, state, group, record)
             # An FP8-gathered weight (--fp8-param-gather) arrives cast, with the whole weight's scale.
-            sw = w._scale if isinstance(w, Float8GatheredWeight) else _tensor_scale(w, W, fwd, recipe, state, group,
-                                                                                     record)
+            sw = w._scale if isinstance(w, Float8GatheredWeight) else tensor_scale(w, W, fwd, recipe, state, group,
+                                                                                    record)
         qx = quantize(x, sx, fwd)
         qw = w._data if isinstance(w, Float8GatheredWeight) else quantize(w, sw, fwd)
         out = scaled_mm(qx, qw.t(), sx, sw.t() if sw.dim() else sw, out_dtype)
@@ -143,11 +146,10 @@ class _Float8Matmul(torch.autograd.Function):
                                ctx.dtypes[0])
             grad_w = (grad.t().to(x_hp.dtype) @ x_hp).to(ctx.dtypes[1])  # contraction over tokens: high precision
             return grad_x, grad_w, None, None, None, None, None, None, None
-        sg = _tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group, ctx.record)
+        sg = tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group, ctx.record)
         qg = quantize(grad, sg, bwd)
         grad_x = scaled_mm(qg, qw, sg, sw, ctx.dtypes[0])
-        accumulate = torch.float64 if ctx.dtypes[1] == torch.float64 else torch.float32
-        grad_w = scaled_mm(qg.t(), qx, sg, sx, accumulate).to(ctx.dtypes[1])
+        grad_w = scaled_mm(qg.t(), qx, sg, sx, accumulation_dtype(ctx.dtypes[1])).to(ctx.dtypes[1])
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from dtmega.kernels.float8 import AMAX_ALGOS, FORMATS, Float8Recipe
 from dtmega.kernels.float8_gather import Float8GatherScale, gather_weight_in_fp8
-from dtmega.kernels.float8_linear import W, Float8State, float8_linear, reduce_and_update_scales, reduce_max
+from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
 from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
@@ -118,8 +118,9 @@ class Float8(Pass):
         if self.param_gather and self.recipe not in gather_recipes:
             supported = " and ".join(gather_recipes) or "no recipe"
             raise PlanError(f"FP8 all-gather (param_gather, --fp8-param-gather) casts weight shards with one scale per "
-                            f"tensor: backend {self.backend!r} does it for {supported}, not {self.recipe}. Fix: recipe 'delayed' or 'tensorwise' with backend='dtmega' "
-                            "(--fp8-recipe delayed), or drop param_gather")
+                            f"tensor: backend {self.backend!r} does it for {supported}, not {self.recipe}. Fix: recipe "
+                            "'delayed' or 'tensorwise' with backend='dtmega' (--fp8-recipe delayed), or drop "
+                            "param_gather")
         if self.backend == "torchao" and program.role_size("tensor") > 1:
             raise PlanError("Float8(backend='torchao') is not wired to tensor parallelism here. Fix: backend='dtmega'")
 
@@ -185,8 +186,7 @@ class Float8(Pass):
                 module.counting = True  # off while a pipeline stage infers shapes on stand-in tensors
                 module.forward = _fp8_forward(module, recipe, state, group)
                 if self.param_gather:
-                    gather_weight_in_fp8(module, Float8GatherScale(
-                        recipe.forward_dtype, recipe.margin, state, W, lambda amax: reduce_max(amax, group), module))
+                    gather_weight_in_fp8(module, Float8GatherScale(recipe, state, group, module))
         program.add_hook(Float8Scaling(states, recipe, group))
 
 

@@ -8,14 +8,16 @@ from types import SimpleNamespace
 
 import torch
 
-from dtmega.kernels.float8 import E4M3, quantize, scale_from_amax
+from dtmega.kernels.float8 import E4M3, Float8Recipe, quantize, scale_from_amax
 from dtmega.kernels.float8_gather import (
     Float8GatheredWeight, Float8GatherScale, Float8ShardedWeight, gather_weight_in_fp8, plain,
 )
 
 
 def _source(state=None, linear=None) -> Float8GatherScale:
-    return Float8GatherScale(E4M3, 0, state, 1, lambda amax: amax, linear or torch.nn.Linear(1, 1))
+    """One rank's view (no group): tensorwise without a state, delayed with one."""
+    recipe = Float8Recipe("delayed" if state is not None else "tensorwise", "hybrid", amax_history_len=4)
+    return Float8GatherScale(recipe, state, None, linear or torch.nn.Linear(1, 1))
 
 
 def test_the_sharded_weight_survives_fsdp2s_shard_ops_and_updates_in_place():
@@ -41,7 +43,7 @@ def test_pre_all_gather_pads_to_fsdp2s_equal_shards_and_post_all_gather_gives_th
                                                   torch.nn.Linear(16, 7), policy)
     assert data.dtype == torch.uint8 and data.shape == (3, 16)  # ceil(7 / 3) rows, the last one padding
     scale = metadata[0]
-    assert torch.equal(scale, scale_from_amax(full[5:].abs().max(), E4M3))  # reduce_max is the identity here
+    assert torch.equal(scale, scale_from_amax(full[5:].abs().max(), E4M3))  # no group: this shard's amax
     gathered, _ = shard.fsdp_post_all_gather((data,), metadata, torch.float32)
     assert isinstance(gathered, Float8GatheredWeight) and gathered.dtype == torch.float32
     expected = quantize(full[5:], scale, E4M3).float() / scale

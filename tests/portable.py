@@ -15,8 +15,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from distributed_session import crash_stacks
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ("default", "avx2", "native")
@@ -34,16 +37,20 @@ def run(level: str) -> tuple[str, str, float, int]:
     if level != "native":
         env["ATEN_CPU_CAPABILITY"] = level
     used = capability(env)
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "4", "--local-ranks-filter", "0",
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "4", "--local-ranks-filter", "0",
                "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider"]
     start = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="dtmega-portable-") as crash_dir:
+        env["DTMEGA_TEST_CRASH_DIR"] = crash_dir
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        stacks = crash_stacks(Path(crash_dir))  # a rank that died of a signal: faulthandler's stacks
     seconds = time.monotonic() - start
     lines = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     summary = lines[-1].strip("= ") if lines else f"no pytest summary (exit {done.returncode})"
     if done.returncode:
-        fatal = done.stderr.find("Fatal Python error")  # a crash: faulthandler's stacks come first
-        print(done.stdout[-6000:], done.stderr[fatal:][:8000] if fatal >= 0 else done.stderr[-3000:], sep="\n")
+        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n")
+        for rank, text in stacks.items():
+            print(f"===== {rank} died of a signal =====\n{text[:8000]}")
     return used, summary, seconds, done.returncode
 
 

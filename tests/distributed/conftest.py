@@ -7,9 +7,11 @@ pytest session, in the same order, and each test builds the mesh it needs with
 
 from __future__ import annotations
 
+import faulthandler
 import os
-from pathlib import Path
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,12 +33,45 @@ def pytest_configure(config):
         pytest.exit(f"the distributed suite expects {WORLD} ranks, got {dist.get_world_size()}", returncode=2)
 
 
+def pytest_sessionstart(session):
+    """After pytest's own faulthandler set-up (it points the handler at stderr in its configure)."""
+    _record_crashes(dist.get_rank())
+
+
+CRASH_DIR = Path(os.environ.get("DTMEGA_TEST_CRASH_DIR", Path(tempfile.gettempdir()) / "dtmega-test-crashes"))
+
+
+def _record_crashes(rank: int) -> None:
+    """A rank that dies of a signal leaves its Python stacks in CRASH_DIR/rank<r>.txt: torchrun
+    shows rank 0's console only (--local-ranks-filter 0), so another rank's crash would otherwise
+    leave no trace. tests/distributed_session.py (`make test`) prints them when a rank dies."""
+    CRASH_DIR.mkdir(parents=True, exist_ok=True)
+    (CRASH_DIR / f"passed-rank{rank}.txt").write_text("")
+    stacks = open(CRASH_DIR / f"rank{rank}.txt", "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.enable(file=stacks, all_threads=True)
+
+
 _FAILURES: list[str] = []
 
 
 def pytest_runtest_logreport(report):
     if report.failed:
         _FAILURES.append(report.nodeid)
+    elif report.when == "teardown" and report.nodeid not in _FAILURES:
+        # What tests/distributed_session.py need not rerun should this session crash.
+        with open(CRASH_DIR / f"passed-rank{dist.get_rank()}.txt", "a") as passed:
+            passed.write(report.nodeid + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A rerun after a native crash (tests/distributed_session.py) skips what passed on every
+    rank before it; every rank reads the same file, so the ranks stay in step."""
+    skip_file = os.environ.get("DTMEGA_TEST_SKIP_FINISHED")
+    if not skip_file:
+        return
+    finished = set(Path(skip_file).read_text().splitlines())
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in finished])
+    items[:] = [item for item in items if item.nodeid not in finished]
 
 
 def pytest_sessionfinish(session, exitstatus):

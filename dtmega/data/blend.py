@@ -99,7 +99,7 @@ def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str,
                 continue
             # a 0.5% margin as Megatron, so that rounding never starves a blend component
             share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
-            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed)
+            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity)
             parts.append((weight, GPTDataset(dataset, spec)))
         if not parts:
             result[name] = None

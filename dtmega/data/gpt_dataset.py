@@ -69,6 +69,7 @@ class GPTDatasetSpec:
     seq_length: int
     num_samples: int
     seed: int
+    data_identity: str = ""  # IndexedDataset.identity: another corpus under the same prefix gets its own index
 
     def cache_path(self) -> Path:
         key = hashlib.sha1(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,6 +9,7 @@ the other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -129,6 +130,24 @@ class IndexedDatasetWriter:
             path.unlink(missing_ok=True)
 
 
+_IDENTITY_BYTES = 1 << 22
+
+
+def _identity(index_file: Path, data_file: Path) -> str:
+    """What a sample index depends on, cheaply: both files' sizes and a hash of the index's
+    first and last 4 MiB (its header, sequence lengths and document boundaries). Another corpus
+    preprocessed into the same prefix changes it; a copy of the same files (other mtimes, another
+    node) does not."""
+    digest = hashlib.blake2b(f"{index_file.stat().st_size}:{data_file.stat().st_size}".encode(), digest_size=16)
+    with open(index_file, "rb") as stream:
+        digest.update(stream.read(_IDENTITY_BYTES))
+        size = index_file.stat().st_size
+        if size > _IDENTITY_BYTES:
+            stream.seek(max(_IDENTITY_BYTES, size - _IDENTITY_BYTES))
+            digest.update(stream.read())
+    return digest.hexdigest()
+
+
 class IndexedDataset:
     """Memory-mapped reader of a `.bin/.idx` pair; validates both files before use."""
 
@@ -172,11 +191,29 @@ class IndexedDataset:
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(index, dtype=np.int64, count=documents, offset=offset)
         data_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
-        if data_file.stat().st_size < data_bytes:
+        size = data_file.stat().st_size
+        if size < data_bytes:
             raise DatasetFormatError(
-                f"{data_file} is truncated: {data_file.stat().st_size} bytes, but {index_file} "
+                f"{data_file} is truncated: {size} bytes, but {index_file} "
                 f"describes {data_bytes}. Fix: re-run `dtmega preprocess`"
             )
+        if size != data_bytes:
+            # Exact, not "at least": an index whose dtype code or lengths belong to other data
+            # would otherwise read the tokens as something else.
+            raise DatasetFormatError(
+                f"{data_file} has {size} bytes, but {index_file} describes {data_bytes} "
+                f"({self.num_tokens} tokens of {self.dtype.name}, dtype code {code}): the two files do not "
+                "belong together (a damaged index, or a .bin from another preprocessing). "
+                "Fix: re-run `dtmega preprocess` to write both"
+            )
+        last = len(self.sequence_pointers) - 1
+        if last >= 0 and int(self.sequence_pointers[last]) + int(self.sequence_lengths[last]) * self.dtype.itemsize \
+                != data_bytes:
+            raise DatasetFormatError(
+                f"{index_file}: its last sequence pointer ({int(self.sequence_pointers[last])}) and length do not "
+                f"end at the data's {data_bytes} bytes: the index is damaged. Fix: re-run `dtmega preprocess`"
+            )
+        self.identity = _identity(index_file, data_file)
         self._data = np.memmap(data_file, dtype=self.dtype, mode="r", order="C") if data_bytes else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:

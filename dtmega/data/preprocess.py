@@ -21,6 +21,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from dtmega.data.indexed import IndexedDatasetWriter, token_dtype
 from dtmega.data.tokenizers import TokenizerSpec, build_tokenizer, train_bpe
+from dtmega.writable import make_writable_dir
 
 LINES_PER_TASK = 512
 
@@ -91,6 +92,11 @@ def parse_line(line_number: int, raw: bytes, keys: list[str]) -> dict[str, str]:
     for key in keys:
         if not isinstance(record[key], str):
             raise InputError(f"line {line_number}: {key!r} holds {_json_kind(record[key])}, not a string")
+        try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+            record[key].encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InputError(f"line {line_number}: {key!r} holds a lone surrogate {record[key][error.start]!r} at "
+                             f"character {error.start} (a \\u escape of half a UTF-16 pair), not text") from None
         texts[key] = record[key]
     return texts
 
@@ -164,6 +170,11 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
         raise FileNotFoundError(f"--input {config.input} is not a file (a JSONL file is expected)")
     if config.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {config.workers}")
+    try:  # before hours of tokenizing, not at the first write
+        make_writable_dir(Path(config.output_prefix).parent)
+    except OSError as error:
+        raise InputError(f"--output-prefix {config.output_prefix}: cannot write there ({error.strerror}: "
+                         f"{error.filename}). Fix: an output prefix in a writable directory") from None
     start = time.perf_counter()
     spec, tokenizer_path = config.tokenizer, None
     if config.train_tokenizer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from dtmega.models.llama_config import NAMED_CONFIGS
 from dtmega.passes.toml_io import load_toml
+from dtmega.train.arg_checks import OptionValueError, check_ranges, check_toml_types
 
 
 class ArgumentError(ValueError):
@@ -140,6 +142,9 @@ class TrainArgs:
     lr_wsd_decay_style: str = _opt("linear", "WSD decay shape", ("linear", "cosine", "exponential", "minus_sqrt"))
     weight_decay: float = _opt(0.01, "AdamW decay (never on norms and biases)")
     clip_grad: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
+    no_check_for_nan_in_loss_and_grad: bool = _opt(False, "never stop a run for non-finite losses or gradient "
+                                                          "norms (such steps are still skipped)")
+    max_skipped_steps: int = _opt(10, "non-finite steps in a row that stop the run as diverged (exit 2)")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
@@ -191,6 +196,8 @@ class TrainArgs:
 
 # Megatron flags that mean nothing here: accepted, with the reason.
 NOTED_FLAGS = {
+    "check_for_nan_in_loss_and_grad": "on by default here (--no-check-for-nan-in-loss-and-grad turns it off; "
+                                      "--max-skipped-steps bounds the streak)",
     "use_mcore_models": "dtmega has one model implementation",
     "use_flash_attn": "attention uses torch's scaled_dot_product_attention, which picks flash kernels itself",
     "disable_bias_linear": "dtmega's Llama has no biases",
@@ -219,9 +226,26 @@ def _base_type(annotation: str) -> type:
     return str
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one line with the closest known flags instead of the whole
+    usage (which lists some 150 flags)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        guesses = []
+        for word in message.replace(",", " ").split():
+            if word.startswith("--") and word not in known:
+                name = word.split("=", 1)[0]
+                close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+                if close:
+                    guesses.append(f"{name}: did you mean {' or '.join(close)}?")
+        hint = f" ({'; '.join(guesses)})" if guesses else ""
+        raise ArgumentError(f"{message}{hint}. Fix: `dtmega train --help` lists every flag")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `dtmega train` argument parser (every default suppressed, to see what was given)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dtmega train", argument_default=argparse.SUPPRESS,
         description="Pretrain a Llama with a parallel plan; flags follow Megatron-LM's pretrain_gpt.py.",
     )
@@ -305,6 +329,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
         unknown = sorted(set(file_values) - known)
         if unknown:
             raise ArgumentError(f"{config_path}: unknown option(s) {unknown}; keys are flag names such as 'train_iters'")
+        kinds = {f.name: _base_type(f.type) for f in fields(TrainArgs)}
+        try:
+            file_values = check_toml_types(file_values, kinds, str(config_path))
+        except OptionValueError as error:
+            raise ArgumentError(str(error)) from None
     # Each source's --model applies at that source's level: a preset named on the command line
     # replaces the architecture the TOML describes (a shared run.toml with sizes must not turn
     # `--model llama3-70b` into a silent no-op), and flags still override the preset.
@@ -325,6 +354,10 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
         values.update(preset)
     values.update(namespace)
     args = TrainArgs(**values)
+    try:
+        check_ranges(args)
+    except OptionValueError as error:
+        raise ArgumentError(str(error)) from None
     if args.transformer_impl == "transformer_engine" and not (args.fp8_format or args.fp8_hybrid):
         notes.append("--transformer-impl transformer_engine: dtmega's own modules run; Transformer Engine backs the "
                      "FP8 linears only (with --fp8-format)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,14 @@ def save_checkpoint(
     return final
 
 
+def has_checkpoint(path: str | Path) -> bool:
+    """Whether `path` holds a checkpoint `resolve_checkpoint` would look for: a `latest` file
+    (a --save directory) or an iter_* checkpoint itself. A save interrupted before its first
+    checkpoint completed leaves only a `.partial` directory: no checkpoint."""
+    path = Path(path)
+    return (path / LATEST).exists() or ((path / STATE).exists() and (path / ".metadata").exists())
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory `path` names: a --save directory (its `latest`) or an iter_* dir."""
     path = Path(path)
@@ -154,6 +163,19 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
         raise CheckpointError("\n".join(lines))
 
 
+def _load_rng(path: Path) -> dict[str, Any]:
+    """A rank's saved RNG states, unpickled with `weights_only`: a checkpoint is data, and
+    opening one from someone else must not run their code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} holds more than RNG state tensors (refused by weights_only loading: "
+            f"{str(error).splitlines()[0]}). Fix: load a checkpoint written by dtmega, or delete that file "
+            "to resume with fresh random states"
+        ) from None
+
+
 def load_runtime_state(path: str | Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The saved run-time state of the keys in `template` that the checkpoint holds (a
     checkpoint written without FP8 holds none of FP8's: those start fresh)."""
@@ -188,7 +210,7 @@ def load_checkpoint(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = checkpoint / f"rng_rank{rank:05d}.pt"
     if restore_rng and state.get("world_size") == world and rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = _load_rng(rng_file)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

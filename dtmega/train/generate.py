@@ -16,7 +16,7 @@ from dtmega.data.tokenizers import Tokenizer
 from dtmega.models.kv_cache import KVCache
 from dtmega.printing import console
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
-from dtmega.train.restore import restore
+from dtmega.train.restore import CheckpointHead, read_head, restore
 
 
 @dataclass
@@ -66,6 +66,24 @@ def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_n
     return tokenizer.decode(produced.ids)
 
 
+def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int) -> None:
+    """The prompt is text (UTF-8) and prompt + new tokens fit the model's context, checked from
+    the checkpoint's files before any weight is loaded or KV cache allocated."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"--prompt holds bytes that are not UTF-8 text (from character {error.start}: "
+                         f"{prompt[error.start:error.end]!r}). Fix: pass the prompt as UTF-8") from None
+    context = getattr(head.config, "max_seq_len", None)
+    used = len(head.tokenizer.encode(prompt))
+    if context is not None and used + max_new_tokens > context:
+        raise ValueError(
+            f"the prompt ({used} tokens) + --max-new-tokens {max_new_tokens} = {used + max_new_tokens} tokens exceeds "
+            f"the model's context of {context} tokens (its max position embeddings). Fix: --max-new-tokens "
+            f"{max(context - used, 0)} or less" + (", and a shorter prompt" if used >= context else "")
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega generate", description="Sample text from a checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -87,6 +105,7 @@ def main(argv: list[str]) -> str:
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
+    check_request(read_head(a.load, tuple(a.custom_import)), a.prompt, a.max_new_tokens)
     pm, tokenizer, _ = restore(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
     if pm.program.facts.family != "dtmega-llama":
         raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "

@@ -11,7 +11,7 @@ with the bytes of parameters per rank.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from dtmega.models.registry import ModelSpec, model_spec
 from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import read_state, resolve_checkpoint
+from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
 from dtmega.train.setup import (
     RunShape, build_plan, model_config, padded_vocab, reject_unsupported, run_shape, tokenizer_spec,
 )
@@ -39,6 +40,7 @@ class RunPlan:
     plan: Plan
     unigram_entropy: float | None
     spec: ModelSpec
+    notes: list[str] = field(default_factory=list)  # what start-up decided that the user should hear
 
     def build_model(self, seed: int):
         """The unsharded model to parallelize (on the meta device, or materialized by seed)."""
@@ -89,20 +91,29 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
     spec, config = model_of(args, tokenizer.vocab_size)
+    notes = []
+    fresh = fresh_start_note(args.load, args.save)
+    if fresh is not None:
+        notes.append(fresh)
+        args.load = None
     if args.load:
         config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
     for _, prefix in parse_data_path(list(args.data_path)):
         IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
-    entropy = check_data_vocab(args, vocab_size_of(config))
+    entropy = check_data_vocab(args, tokenizer.vocab_size)
     plan = build_plan(args, shape, layers_of(spec, config))
-    check_before_launch(spec, config, shape, plan, args)
-    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec)
+    parameters = check_before_launch(spec, config, shape, plan, args)
+    if args.save:
+        warning = check_save_dir(args.save, parameters, create=args.dry_run is None)
+        notes += [warning] if warning else []
+    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, notes)
 
 
-def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> None:
+def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> int:
     """Annotates the whole plan on a meta-device model for this world and these step shapes, so
     every plan error (divisibility, kernels or backends this machine lacks, sequence lengths)
-    stops the run before any process group, data or device is touched."""
+    stops the run before any process group, data or device is touched. Returns the model's
+    parameter count."""
     import dtmega
     from dtmega.passes import Workload
 
@@ -110,16 +121,14 @@ def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Pla
         model = spec.build(config)
     workload = Workload(args.seq_length, shape.micro_batch, shape.accumulation if shape.pp > 1 else None)
     dtmega.check_plan(model, shape.mesh_sizes(), plan, workload=workload)
-
-
-def vocab_size_of(config: Any) -> int:
-    """The vocabulary size of a model config (dtmega's `vocab_size`, HF's `vocab_size`)."""
-    return int(config.vocab_size)
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
-    """Fails if a dataset holds ids the model cannot embed; returns the (first) dataset's
-    unigram entropy when preprocessing recorded it."""
+    """Fails if a dataset holds ids this run's tokenizer does not have (`vocab_size` is the
+    tokenizer's own size, not the model's padded one: ids in the padding would embed, train and
+    evaluate silently on data from another tokenizer); returns the (first) dataset's unigram
+    entropy when preprocessing recorded it."""
     entropy = None
     for _, prefix in parse_data_path(list(args.data_path)):
         stats = read_stats(prefix)
@@ -127,9 +136,9 @@ def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
             continue
         if stats["max_token_id"] >= vocab_size:
             raise ArgumentError(
-                f"{prefix} holds token id {stats['max_token_id']}, but the model's vocabulary has {vocab_size} "
-                "ids: the data was tokenized with a larger vocabulary than this run's tokenizer. Fix: pass the "
-                "tokenizer the data was preprocessed with"
+                f"{prefix} holds token id {stats['max_token_id']}, but this run's tokenizer has {vocab_size} "
+                "ids: the data was tokenized with another, larger vocabulary. Fix: pass the tokenizer the data "
+                "was preprocessed with (--tokenizer-type/--tokenizer-model), or preprocess it again with this one"
             )
         entropy = stats["unigram_entropy_nats"] if entropy is None else entropy
     return entropy
@@ -170,7 +179,7 @@ def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
         model = run.spec.build(run.config)
     layout = dtmega.check_plan(model, run.shape.mesh_sizes(), run.plan)
     out = console()
-    for note in notes:
+    for note in [*notes, *run.notes]:
         out.print(f"[dim]note: {note}[/dim]")
     mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.items() if size > 1) or "1 rank"
     out.print(layout_table(layout, title=f"dry run: {type(model).__name__} on {mesh}"))

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dtmega
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_json
 from dtmega.mesh import default_device_type
 from dtmega.models import model_spec
+from dtmega.models.registry import ModelSpec
 from dtmega.passes import DataParallel, Plan, TensorParallel
 from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, resolve_checkpoint
 
 
-def restore(
-    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = ()
-) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
-    """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
-    tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
-    sub-mesh of a larger job); `custom_import` names modules that register the model."""
+@dataclass
+class CheckpointHead:
+    """What a checkpoint says about itself without loading a weight: enough to check a request
+    against the model (its context length, its tokenizer) before any allocation."""
+
+    checkpoint: Path
+    state: dict
+    spec: ModelSpec
+    config: Any
+    tokenizer: Tokenizer
+
+
+def read_head(load: str | Path, custom_import: tuple = ()) -> CheckpointHead:
+    """The checkpoint's state, model spec and config, and tokenizer (files only)."""
     checkpoint = resolve_checkpoint(load)
     state = read_state(checkpoint)
     for module in custom_import:
@@ -37,6 +48,17 @@ def restore(
         raise ValueError(
             f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but its model only {config.vocab_size}"
         )
+    return CheckpointHead(checkpoint, state, spec, config, tokenizer)
+
+
+def restore(
+    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = ()
+) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
+    """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
+    tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
+    sub-mesh of a larger job); `custom_import` names modules that register the model."""
+    head = read_head(load, custom_import)
+    checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
     if mesh is None:
         device_type = default_device_type()
         if data_parallel == "ddp":

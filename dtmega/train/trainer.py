@@ -23,6 +23,7 @@ from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
 from dtmega.train.checkpoint import load_checkpoint, load_runtime_state, save_checkpoint
+from dtmega.train.divergence import StepHealth
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
 from dtmega.train.schedule import LRSchedule
@@ -65,7 +66,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.leader = self.rank == 0
         self.console = make_console(self.leader)
-        for note in notes:
+        for note in [*notes, *run.notes]:
             self.console.print(f"[dim]note: {note}[/dim]")
         if (args.bf16 or args.fp16) and self.device_type == "cpu":
             self.console.print("[dim]note: --bf16/--fp16 on a CPU: most CPUs have no fast 16-bit matmuls, so this runs "
@@ -138,6 +139,8 @@ class Trainer:
             scale_grads(params, 1.0 / scale)
         norm = grad_norm(params, self.pm.pipeline_group())
         finite = torch.isfinite(norm)
+        if not self.args.no_check_for_nan_in_loss_and_grad:
+            finite = finite & torch.isfinite(loss.detach())  # a non-finite loss never updates the weights
         on_device = self.scaler is None and bool(self.optimizer.defaults.get("fused"))
         overflow: torch.Tensor | bool = ~finite if on_device else not bool(finite)
         if self.scaler:
@@ -206,10 +209,22 @@ class Trainer:
             self.console.print(f"unigram entropy of the data: {self.unigram_entropy:.3f} nats/token")
         window_losses, window_start, skipped = [], time.perf_counter(), 0
         window_steps, window_moe = 0, []
+        health = None
+        if not args.no_check_for_nan_in_loss_and_grad:
+            health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
+                                last_checkpoint=str(args.load) if args.load else None)
+        if self.iteration >= args.train_iters:
+            self.console.print(
+                f"[bold yellow]nothing to train:[/bold yellow] the checkpoint is at step {self.iteration} and "
+                f"--train-iters is {args.train_iters}, so this run ends here and saves nothing. Pass a larger "
+                "--train-iters to train on"
+            )
         while self.iteration < args.train_iters:
             batch = next(self.loader).to(self.device_type)
             loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
+            if health is not None:
+                health.record(self.iteration, loss, norm)  # checks the step before this one
             window_losses.append(loss)
             window_moe.append(self.moe.last_loss if self.moe else 0.0)
             window_steps += 1
@@ -239,7 +254,15 @@ class Trainer:
             if self.iteration % args.eval_interval == 0 or last:
                 self.validate(result)
             if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last):
-                result.checkpoint = self.save()
+                if health is None or health.may_save():
+                    result.checkpoint = self.save()
+                    if health is not None:
+                        health.last_checkpoint = str(result.checkpoint)
+                else:
+                    self.console.print(f"[bold yellow]not saving at step {self.iteration}:[/bold yellow] "
+                                       f"{len(health.streak)} non-finite steps in a row (since step {health.streak[0]})")
+        if health is not None:
+            health.finish()
         result.iteration = self.iteration
         if result.losses and self.unigram_entropy is not None:
             self.console.print(

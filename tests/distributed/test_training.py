@@ -230,3 +230,22 @@ def test_a_user_registered_hugging_face_model_trains_by_name(corpus, shared_dir)
     loss = evaluate(["--load", str(save), "--data-path", corpus, "--tensor-model-parallel-size", "2",
                      "--custom-import", "tests.user_models"])
     assert abs(loss - result.validation[-1][1]) / loss < 1e-5
+
+
+def test_divergence_stops_every_rank_at_the_same_step(corpus, shared_dir):
+    """TP2 x FSDP2 with --lr 1e6: the loss and the gradient norm are reduced over the job, so
+    every rank sees the same non-finite streak and stops at the same step with the same message
+    (no rank is left waiting in a collective); no checkpoint is written inside the streak."""
+    from dtmega.train.divergence import TrainingDiverged
+
+    save = shared_dir / "diverged"
+    with pytest.raises(TrainingDiverged) as caught:
+        train(tiny_args(corpus, tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True,
+                        lr=1e6, lr_warmup_iters=0, clip_grad=0, max_skipped_steps=3, train_iters=30, save=save,
+                        save_interval=1))
+    message = str(caught.value)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, message)
+    assert len(set(everyone)) == 1 and "(3 in a row, --max-skipped-steps 3)" in message
+    first_bad = int(message.split("not finite at steps ")[1].split("-")[0])
+    assert all(int(path.name.removeprefix("iter_")) < first_bad for path in save.glob("iter_*"))

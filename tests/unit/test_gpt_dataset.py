@@ -55,6 +55,22 @@ def test_deterministic_by_seed_and_cached_on_disk(tmp_path):
     assert not all(np.array_equal(first[i], other[i]) for i in range(len(first)))
 
 
+def test_another_corpus_under_the_same_prefix_gets_its_own_sample_index(tmp_path):
+    """Re-preprocessing other data into the same prefix must not reuse the old cached index
+    (whose windows would cut the new documents at the old boundaries)."""
+    config = DataConfig(data_path=(str(tmp_path / "c"),), split=(1.0, 0.0, 0.0), seq_length=8, seed=5)
+    corpus(tmp_path / "c", documents=50, seed=0)
+    first = build_datasets(config, {"train": 20})["train"]
+    data = corpus(tmp_path / "c", documents=60, seed=1)
+    second = build_datasets(config, {"train": 20})["train"]
+    assert spec_dir_count(tmp_path) == 2
+    order = second.index["order"]
+    stream = np.concatenate([data[int(s)] for s in order])
+    unshuffled = np.argsort(second.index["shuffle"])
+    assert all(np.array_equal(second[unshuffled[j]], stream[j * 8: j * 8 + 9]) for j in range(len(second)))
+    assert not np.array_equal(first.index["starts"][:10], second.index["starts"][:10])
+
+
 def spec_dir_count(tmp_path):
     return len(list((tmp_path / "c.dtmega-index").iterdir()))
 

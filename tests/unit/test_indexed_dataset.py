@@ -94,6 +94,48 @@ def test_truncated_bin_and_idx(tmp_path):
         IndexedDataset(tmp_path / "d")
 
 
+def test_index_and_data_must_agree_exactly(tmp_path):
+    """A .bin longer than its index describes is refused, not read as other tokens: here the
+    index's dtype code is changed from uint16 (8) to uint8 (1), so it describes half the bytes."""
+    write(tmp_path / "d")
+    data = bytearray((tmp_path / "d.idx").read_bytes())
+    assert data[17] == 8
+    data[17] = 1
+    (tmp_path / "d.idx").write_bytes(bytes(data))
+    with pytest.raises(DatasetFormatError, match=r"d.bin has 92 bytes, but .*d.idx describes 46 .*uint8, dtype code 1"
+                                                 r".*do not belong together"):
+        IndexedDataset(tmp_path / "d")
+    write(tmp_path / "d")
+    (tmp_path / "d.bin").write_bytes((tmp_path / "d.bin").read_bytes() + b"\0\0")
+    with pytest.raises(DatasetFormatError, match="d.bin has 94 bytes, but"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_damaged_pointers_are_refused(tmp_path):
+    write(tmp_path / "d")
+    data = bytearray((tmp_path / "d.idx").read_bytes())
+    last_pointer = 9 + 8 + 1 + 8 + 8 + 4 * 4 + 3 * 8
+    data[last_pointer:last_pointer + 8] = struct.pack("<q", 14)
+    (tmp_path / "d.idx").write_bytes(bytes(data))
+    with pytest.raises(DatasetFormatError, match="last sequence pointer .14. and length do not end at the data's 92 bytes"):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_identity_names_the_corpus_not_the_copy(tmp_path):
+    """The sample-index cache key: the same files copied elsewhere keep it; another corpus
+    preprocessed into the same prefix changes it."""
+    write(tmp_path / "d")
+    first = IndexedDataset(tmp_path / "d").identity
+    (tmp_path / "copy").mkdir()
+    for suffix in (".bin", ".idx"):
+        (tmp_path / "copy" / f"d{suffix}").write_bytes((tmp_path / f"d{suffix}").read_bytes())
+    assert IndexedDataset(tmp_path / "copy" / "d").identity == first
+    writer = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    writer.add_document([np.array([1, 2, 3, 4])])
+    writer.finalize()
+    assert IndexedDataset(tmp_path / "d").identity != first
+
+
 def test_missing_files_name_the_prefix_convention(tmp_path):
     with pytest.raises(FileNotFoundError, match="pass the prefix without .bin/.idx"):
         IndexedDataset(tmp_path / "nothing")

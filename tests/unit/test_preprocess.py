@@ -82,6 +82,32 @@ def test_malformed_line_names_the_line_and_skipping_counts(tmp_path):
     assert result.skipped_lines == 2 and result.documents == 2
 
 
+def test_a_lone_surrogate_is_a_bad_line_that_can_be_skipped(tmp_path):
+    """JSON may escape half a UTF-16 pair (\\ud800): valid JSON, but no text a tokenizer can
+    encode. Before: a raw UnicodeEncodeError that --skip-bad-lines did not skip."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "a"}\n{"text": "x\\ud800y"}\n{"text": "c"}\n')
+    with pytest.raises(InputError, match=r"line 2: 'text' holds a lone surrogate '\\ud800' at character 1.*"
+                                         r"--skip-bad-lines"):
+        run(tmp_path, source)
+    result = run(tmp_path, source, skip_bad_lines=True)
+    assert result.skipped_lines == 1 and result.documents == 2
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_an_unwritable_output_is_refused_before_tokenizing(tmp_path, where):
+    """Before: a raw NotADirectoryError / FileNotFoundError traceback."""
+    source = write_jsonl(tmp_path / "in.jsonl", ["abc", "def"])
+    if where == "under_a_file":
+        (tmp_path / "a_file").write_text("x")
+        prefix = tmp_path / "a_file" / "corpus"
+    else:
+        prefix = Path("/proc/dtmega-test/corpus")
+    with pytest.raises(InputError, match=r"--output-prefix .*corpus: cannot write there \(.*\)\. Fix: an output prefix "
+                                         r"in a writable directory"):
+        preprocess(PreprocessConfig(input=source, output_prefix=str(prefix), progress=False))
+
+
 def test_missing_key(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", ["a"], key="body")
     with pytest.raises(InputError, match=r"line 1: no key 'text' \(the line has \['body', 'id'\]\)"):

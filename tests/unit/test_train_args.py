@@ -215,3 +215,46 @@ def test_a_sequence_longer_than_the_position_table_is_refused_before_any_work():
         model_config(args, 256)
     args.max_position_embeddings = None  # the table follows --seq-length
     assert model_config(args, 256).max_seq_len == 256
+
+
+@pytest.mark.parametrize("line, message", [
+    ('bf16 = "false"', r"bf16 = 'false' is a string, but --bf16 takes a boolean. Fix: write bf16 = true or false"),
+    ('train_iters = "3"', r"train_iters = '3' is a string, but --train-iters takes an integer"),
+    ("train_iters = 3.0", r"train_iters = 3.0 is a number, but --train-iters takes an integer"),
+    ('data_path = "x"', r"data_path = 'x' is a string, but --data-path takes a list. Fix: write data_path = \["),
+    ("lr = true", r"lr = True is a boolean, but --lr takes a number"),
+    ('tokenizer_type = ["byte"]', r"tokenizer_type = \['byte'\] is a list, but --tokenizer-type takes a string"),
+])
+def test_toml_values_are_type_checked_like_flags(tmp_path, line, message):
+    """TOML arrives typed: a quoted "false" is a true string, a string data_path would be read
+    character by character. Each is refused, naming the key and the fix."""
+    config = tmp_path / "run.toml"
+    config.write_text(line + "\n")
+    with pytest.raises(ArgumentError, match=message):
+        parse_train_args(["--config", str(config)])
+
+
+def test_toml_numbers_for_text_options_read_as_the_command_line_would(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("moe_layer_freq = 2\nlr = 3\nsplit = \"98,2,0\"\n")
+    args, _ = parse_train_args(["--config", str(config)])
+    assert args.moe_layer_freq == "2" and args.lr == 3 and args.split_weights == (98.0, 2.0, 0.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--micro-batch-size 0 --global-batch-size 0", r"--micro-batch-size 0: must be at least 1.*or leave it out"),
+    ("--global-batch-size 0", r"--global-batch-size 0: must be at least 1"),
+    ("--train-iters 0", r"--train-iters 0: must be at least 1"),
+    ("--seq-length 0", r"--seq-length 0: must be at least 1"),
+    ("--tensor-model-parallel-size 0", r"--tensor-model-parallel-size 0: must be at least 1"),
+    ("--rotary-base -1", r"--rotary-base -1.0: must be greater than 0"),
+    ("--init-method-std 0", r"--init-method-std 0.0: must be greater than 0"),
+    ("--lr -0.1", r"--lr -0.1: must be 0 or more"),
+    ("--eval-iters -1", r"--eval-iters -1: must be 0 or more"),
+    ("--lr nan", r"--lr nan: must be a finite number"),
+])
+def test_sizes_and_counts_that_mean_nothing_are_refused_by_flag(flags, message):
+    """Before: a zero micro- and global batch silently became 1 and 2, --train-iters 0 was
+    blamed on --split, a negative rotary base trained on NaN losses."""
+    with pytest.raises(ArgumentError, match=message):
+        parse_train_args(["--train-iters", "5", "--lr", "1e-3", *flags.split()])

@@ -10,8 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dtmega.data.indexed import IndexedDatasetWriter
 from dtmega.data.preprocess import PreprocessConfig, preprocess
 from dtmega.train.args import ArgumentError
 from dtmega.train.checkpoint import CheckpointError, resolve_checkpoint
@@ -79,8 +81,21 @@ def test_data_tokenized_with_a_larger_vocabulary(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [" ".join(rng.sample(words, 40)) for _ in range(400)])
     result = preprocess(PreprocessConfig(input=source, output_prefix=str(tmp_path / "bpe"), train_tokenizer=1000,
                                          append_eod=True, progress=False))
-    with pytest.raises(ArgumentError, match=r"holds token id \d+, but the model's vocabulary has 384 ids"):
+    with pytest.raises(ArgumentError, match=r"holds token id \d+, but this run's tokenizer has 258 ids"):
         train(tiny_args(result.outputs["text"]))
+
+
+def test_data_with_ids_in_the_vocabulary_padding_is_refused(tmp_path):
+    """Ids 258..383 fit the byte tokenizer's padded vocabulary (384) but are no byte tokens:
+    data from another tokenizer would train silently. The check is against the tokenizer's 258."""
+    writer = IndexedDatasetWriter(tmp_path / "other_text_document", np.uint16)
+    rng = np.random.RandomState(0)
+    for _ in range(100):
+        writer.add_document([rng.randint(0, 352, size=64)])
+    writer.finalize()
+    with pytest.raises(ArgumentError, match=r"holds token id 351, but this run's tokenizer has 258 ids.*Fix: pass the "
+                                            r"tokenizer the data was preprocessed with"):
+        train(tiny_args(str(tmp_path / "other_text_document")))
 
 
 def test_train_cli_errors_exit_2_with_the_reason(corpus):

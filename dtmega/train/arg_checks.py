@@ -1,0 +1,108 @@
+"""Value checks of `dtmega train` options, from the command line and from a TOML file alike.
+
+argparse types a flag's value; a TOML file arrives already typed by TOML, so `bf16 = "false"`
+(a string, which Python reads as true) or `data_path = "x"` (a string, iterated character by
+character) would run as something else than the user wrote. `check_toml_types` holds TOML
+values to the type their flag takes. `check_ranges` refuses sizes and counts that cannot mean
+anything (a zero micro-batch, a negative learning rate), naming the flag, instead of letting a
+later `or 1` or an empty split turn them into another run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+# Sizes and counts that must be >= 1 when given (None means "derive it").
+AT_LEAST_ONE = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
+    "max_position_embeddings", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "microbatches",
+    "context_parallel_size", "data_parallel_shard_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+    "recompute_num_layers", "fp8_amax_history_len", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters",
+    "lr_wsd_decay_iters", "loss_scale_window", "save_interval", "eval_interval", "log_interval", "max_skipped_steps",
+)
+# Counts, rates and coefficients where 0 means "none" but a negative value means nothing.
+AT_LEAST_ZERO = (
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "fp8_min_features",
+    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_bias_update_rate", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "eval_iters",
+    "hysteresis", "attention_dropout", "hidden_dropout", "seed",
+)
+# Strictly positive reals.
+POSITIVE = ("init_method_std", "norm_epsilon", "rotary_base", "adam_eps", "initial_loss_scale", "min_loss_scale",
+            "loss_scale", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor")
+
+
+class OptionValueError(ValueError):
+    """An option's value cannot mean anything; the message names the flag and the fix."""
+
+
+def flag_of(name: str) -> str:
+    """The command-line spelling of a TrainArgs field."""
+    return "--" + name.replace("_", "-")
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}.get(
+        type(value), type(value).__name__)
+
+
+def check_toml_types(values: dict[str, Any], kinds: dict[str, type], source: str) -> dict[str, Any]:
+    """Each TOML value has the type its flag takes: bool for switches, int for counts (a whole
+    float is not taken either: `train_iters = 3.0` is a typo's sign), int or float for reals,
+    a list for list options, a string for the rest (a bare number there is taken as its text,
+    as the command line would give it: `moe_layer_freq = 2`). Returns the values so
+    normalized; raises OptionValueError naming the key."""
+    checked = dict(values)
+    for key, value in values.items():
+        kind = kinds.get(key)
+        if kind is None or value is None:
+            continue
+        if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            checked[key] = str(value)
+            continue
+        wrong = {
+            bool: not isinstance(value, bool),
+            int: isinstance(value, bool) or not isinstance(value, int),
+            float: isinstance(value, bool) or not isinstance(value, (int, float)),
+            list: not isinstance(value, list),
+            str: not isinstance(value, str),
+        }[kind]
+        if wrong:
+            example = {bool: "true or false (no quotes)", int: "a whole number (no quotes)",
+                       float: "a number (no quotes)", list: '["item", ...]', str: '"text" (in quotes)'}[kind]
+            raise OptionValueError(
+                f"{source}: {key} = {value!r} is {_type_name(value)}, but {flag_of(key)} takes "
+                f"{_type_name(kind())}. Fix: write {key} = {example}"
+            )
+        if kind is list and any(isinstance(item, (list, dict)) for item in value):
+            raise OptionValueError(f"{source}: {key} = {value!r} nests lists or tables; {flag_of(key)} takes a flat "
+                                   "list of strings and numbers")
+    return checked
+
+
+def check_ranges(args: Any) -> None:
+    """Refuses zero or negative sizes and counts, negative rates and non-finite reals, naming
+    the flag (the same on every rank: it reads the arguments only)."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise OptionValueError(f"{flag_of(f.name)} {value}: must be a finite number")
+    for group, bound, words in ((AT_LEAST_ONE, 1, "at least 1"), (AT_LEAST_ZERO, 0, "0 or more"),
+                                (POSITIVE, None, "greater than 0")):
+        for name in group:
+            value = getattr(args, name, None)
+            if value is None or isinstance(value, bool):
+                continue
+            bad = value <= 0 if bound is None else value < bound
+            if bad:
+                raise OptionValueError(f"{flag_of(name)} {value}: must be {words}. Fix: pass a value {words}"
+                                       + (", or leave it out to derive it" if _derivable(args, name) else ""))
+
+
+def _derivable(args: Any, name: str) -> bool:
+    """Whether leaving the flag out lets the run derive it (its default is None)."""
+    return next(f for f in fields(args) if f.name == name).default is None

@@ -1,0 +1,104 @@
+"""Divergence stops a run (issue 18): non-finite steps are skipped and said, a streak of
+--max-skipped-steps stops the run with exit 2, and no checkpoint is written inside a streak.
+Before, `--lr 1e6` trained on to exit 0 with NaN losses, saving checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtmega.train.checkpoint import resolve_checkpoint
+from dtmega.train.divergence import StepHealth, TrainingDiverged
+from dtmega.train.trainer import train
+from tests.train_helpers import prepare_corpus, tiny_args
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=120)
+
+
+def _all_finite(checkpoint: Path) -> bool:
+    """Every floating tensor of a saved checkpoint is finite (read back with DCP, no model)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(flat))
+    state = torch.load(flat, weights_only=True)
+    tensors = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    walk(state)
+    return bool(tensors) and all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def _infinite_norm(monkeypatch):
+    """Every step's gradient norm infinite (a model that diverged before the run began)."""
+    monkeypatch.setattr("dtmega.train.trainer.grad_norm", lambda params, group=None: torch.tensor(float("inf")))
+
+
+def test_every_step_non_finite_stops_at_the_bound_without_a_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    _infinite_norm(monkeypatch)
+    save = tmp_path / "ckpt"
+    with pytest.raises(TrainingDiverged, match=r"training diverged: the loss or gradient norm was not finite at steps "
+                                               r"1-3 \(3 in a row, --max-skipped-steps 3\); no checkpoint was saved"):
+        train(tiny_args(corpus, max_skipped_steps=3, train_iters=20, save=str(save), save_interval=1))
+    out = capsys.readouterr().out
+    assert "step 1: loss" in out and "not finite, step skipped" in out and "not saving at step 1" in out
+    assert not list(save.glob("iter_*"))
+
+
+def test_a_late_divergence_keeps_the_last_good_checkpoint_and_it_is_finite(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    with pytest.raises(TrainingDiverged, match=r"not finite at steps (\d+)-\d+ \(4 in a row.*the last checkpoint, "
+                                               r".*iter_\d+, was saved before the streak began"):
+        train(tiny_args(corpus, lr=1e6, lr_warmup_iters=0, clip_grad=0, max_skipped_steps=4, train_iters=30,
+                        save=str(save), save_interval=1))
+    out = capsys.readouterr().out
+    first_bad = int(out.split(": loss")[0].rsplit("step ", 1)[1])
+    latest = resolve_checkpoint(save)
+    assert int(latest.name.removeprefix("iter_")) < first_bad
+    assert all(_all_finite(path) for path in save.glob("iter_*"))
+
+
+def test_a_run_that_ends_inside_a_streak_fails_too(corpus, monkeypatch):
+    _infinite_norm(monkeypatch)
+    with pytest.raises(TrainingDiverged, match=r"training ended in 2 non-finite steps in a row \(steps 1-2\)"):
+        train(tiny_args(corpus, max_skipped_steps=5, train_iters=2))
+
+
+def test_the_check_can_be_turned_off(corpus, monkeypatch):
+    """--no-check-for-nan-in-loss-and-grad: steps are still skipped, the run goes on (Megatron
+    without the check)."""
+    _infinite_norm(monkeypatch)
+    result = train(tiny_args(corpus, train_iters=3, no_check_for_nan_in_loss_and_grad=True))
+    assert result.iteration == 3
+
+
+def test_a_diverged_run_is_an_input_error_of_the_cli():
+    """The CLI prints a ValueError's message in one line and exits 2 (as for every input error,
+    test_train_single_rank.py::test_train_cli_errors_exit_2_with_the_reason)."""
+    assert issubclass(TrainingDiverged, ValueError)
+
+
+def test_streak_bookkeeping():
+    """One transient non-finite step resets; fp16 counts only a non-finite loss."""
+    health = StepHealth(max_streak=2)
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    for step, (loss, norm) in enumerate([(one, nan), (one, one), (nan, one)], start=1):
+        health.record(step, loss, norm)
+    health.settle()
+    assert health.skipped == 2 and health.streak == [3]
+    fp16 = StepHealth(max_streak=2, loss_only=True)
+    for step in range(1, 6):
+        fp16.record(step, one, nan)  # gradient overflows: loss scaling's business
+    fp16.settle()
+    assert fp16.skipped == 0 and fp16.may_save()

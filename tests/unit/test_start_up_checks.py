@@ -1,0 +1,145 @@
+"""`dtmega train`'s start-up checks of --save and --load (issue 18's checkpoint paths): what
+used to be found only when the first save failed, after the training it was meant to keep."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dtmega.train import checkpoint_paths
+from dtmega.train.args import ArgumentError, parse_train_args
+from dtmega.train.checkpoint import CheckpointError, resolve_checkpoint
+from dtmega.train.restore import read_head
+from dtmega.train.trainer import train
+from tests.train_helpers import prepare_corpus, tiny_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=120)
+
+
+def test_load_equal_to_save_starts_fresh_then_resumes(corpus, tmp_path, capsys):
+    """Megatron's launch scripts pass one directory as --save and --load: the first run starts
+    from scratch with a notice (the directory need not exist), a restart resumes from it (that a
+    resume reproduces the uninterrupted losses is test_training.py's and
+    test_a_save_killed_midway_leaves_the_previous_checkpoint's)."""
+    both = str(tmp_path / "run" / "checkpoints")
+    first = train(tiny_args(corpus, train_iters=2, save=both, load=both, save_interval=1))
+    assert "holds no checkpoint yet: starting from scratch" in capsys.readouterr().out
+    assert first.iteration == 2 and resolve_checkpoint(both).name == "iter_0000002"
+    resumed = train(tiny_args(corpus, train_iters=4, save=both, load=both, save_interval=1))
+    assert "resumed from" in capsys.readouterr().out
+    assert len(resumed.losses) == 2 and resumed.iteration == 4
+    assert resolve_checkpoint(both).name == "iter_0000004"
+    done = train(tiny_args(corpus, train_iters=3, save=both, load=both, save_interval=1))
+    assert "nothing to train: the checkpoint is at step 4 and --train-iters is 3" in capsys.readouterr().out
+    assert done.losses == [] and done.iteration == 4 and resolve_checkpoint(both).name == "iter_0000004"
+
+
+def test_an_empty_load_elsewhere_is_still_an_error(corpus, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        train(tiny_args(corpus, load=str(tmp_path / "empty"), save=str(tmp_path / "out")))
+
+
+@pytest.mark.parametrize("where, message", [
+    ("under_a_file", r"--save .*a_file/ckpt: .*a_file is a file, not a directory"),
+    ("proc", r"--save /proc/dtmega-test/ckpt is not writable"),
+])
+def test_an_unusable_save_is_refused_before_training(corpus, tmp_path, where, message, monkeypatch):
+    if where == "under_a_file":
+        (tmp_path / "a_file").write_text("x")
+        save = tmp_path / "a_file" / "ckpt"
+    else:
+        save = Path("/proc/dtmega-test/ckpt")
+    steps = []
+    monkeypatch.setattr("dtmega.train.trainer.Trainer.run", lambda self: steps.append(1))
+    with pytest.raises(CheckpointError, match=message):
+        train(tiny_args(corpus, save=str(save)))
+    assert steps == []  # refused before the run
+
+
+def test_a_save_without_room_for_one_checkpoint_is_refused(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_paths.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(CheckpointError, match=r"has 0.00 GiB free, but one checkpoint of this model takes about "
+                                              r"0.00 GiB \([\d,]+ parameters x 12 bytes"):
+        train(tiny_args(corpus, save=str(tmp_path / "ckpt")))
+
+
+def test_a_dry_run_warns_of_too_little_room(corpus, tmp_path, monkeypatch, capsys):
+    """A dry run (a launch line checked on a login node, days before the run) says that there is
+    too little room today, and still passes."""
+    monkeypatch.setattr(checkpoint_paths.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    train(tiny_args(corpus, save=str(tmp_path / "ckpt"), dry_run=1))
+    assert "note: today --save" in capsys.readouterr().out and not (tmp_path / "ckpt").exists()
+
+
+def test_dry_run_checks_save_without_creating_it(corpus, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file, not a directory"):
+        train(tiny_args(corpus, save=str(tmp_path / "a_file" / "c"), dry_run=1))
+    train(tiny_args(corpus, save=str(tmp_path / "new" / "ckpt"), dry_run=1))
+    assert not (tmp_path / "new").exists()
+
+
+class _RunsCode:
+    """Pickles to a call of print: what a checkpoint from someone else could hold instead."""
+
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def test_rng_states_are_loaded_as_data_only(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    train(tiny_args(corpus, train_iters=2, save=str(save)))
+    rng_file = resolve_checkpoint(save) / "rng_rank00000.pt"
+    buffer = io.BytesIO()
+    torch.save({"cpu": torch.get_rng_state(), "cuda": [], "payload": _RunsCode()}, buffer)
+    rng_file.write_bytes(buffer.getvalue())
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match=r"rng_rank00000.pt holds more than RNG state tensors .*weights_only"):
+        train(tiny_args(corpus, train_iters=3, save=str(save), load=str(save)))
+    assert "unpickled code ran" not in capsys.readouterr().out
+
+
+def test_an_unknown_flag_is_one_line_with_the_closest_flags(corpus):
+    """An ArgumentError (one line from the CLI, exit 2) instead of argparse's usage of ~150 flags."""
+    with pytest.raises(ArgumentError) as caught:
+        parse_train_args([*tiny_args(corpus), "--trian-iters", "5"])
+    message = str(caught.value)
+    assert message.startswith("unrecognized arguments: --trian-iters 5 (--trian-iters: did you mean --train-iters or")
+    assert "\n" not in message and "usage" not in message
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus, tmp_path_factory):
+    save = tmp_path_factory.mktemp("generate") / "ckpt"
+    train(tiny_args(corpus, train_iters=2, save=str(save)))
+    return save
+
+
+def test_generate_beyond_the_context_is_refused_before_loading(checkpoint, monkeypatch):
+    """Before: a shape error past the context, or an attempt at a 25.6 GB KV cache."""
+    from dtmega.train import generate
+
+    monkeypatch.setattr(generate, "restore", lambda *a, **k: pytest.fail("loaded the weights before checking"))
+    context = read_head(checkpoint).config.max_seq_len
+    with pytest.raises(ValueError, match=rf"the prompt \(\d+ tokens\) \+ --max-new-tokens 100000000 = \d+ tokens "
+                                         rf"exceeds the model's context of {context} tokens.*Fix: --max-new-tokens \d+"):
+        generate.main(["--load", str(checkpoint), "--prompt", "And God said", "--max-new-tokens", "100000000"])
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(checkpoint):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates
+    (surrogateescape): b"caf\\xe9" arrives as "caf\\udce9"."""
+    from dtmega.train import generate
+
+    with pytest.raises(ValueError, match=r"--prompt holds bytes that are not UTF-8 text \(from character 3"):
+        generate.main(["--load", str(checkpoint), "--prompt", "caf\udce9 au lait"])

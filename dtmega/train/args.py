@@ -18,7 +18,7 @@ from typing import Any
 
 from dtmega.models.llama_config import NAMED_CONFIGS
 from dtmega.passes.toml_io import load_toml
-from dtmega.train.arg_checks import OptionValueError, check_ranges, check_toml_types
+from dtmega.train.arg_checks import OptionValueError, check_ranges, check_toml_types, flag_of
 
 
 class ArgumentError(ValueError):
@@ -214,10 +214,6 @@ _NOTED_WITH_VALUE = {"distributed_backend"}
 PLANNED_FLAGS: dict[str, str] = {}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _base_type(annotation: str) -> type:
     text = str(annotation)
     for name, kind in (("list", list), ("bool", bool), ("int", int), ("float", float)):
@@ -257,20 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
         if default not in (None, False, []):
             help_text += f" (default: {default})".replace("%", "%%")
         if f.name == "dry_run":
-            parser.add_argument(_flag(f.name), type=int, nargs="?", const=0, metavar="WORLD", help=help_text)
+            parser.add_argument(flag_of(f.name), type=int, nargs="?", const=0, metavar="WORLD", help=help_text)
         elif kind is bool:
-            parser.add_argument(_flag(f.name), action="store_true", help=help_text)
+            parser.add_argument(flag_of(f.name), action="store_true", help=help_text)
         elif kind is list:
-            parser.add_argument(_flag(f.name), nargs="+", help=help_text)
+            parser.add_argument(flag_of(f.name), nargs="+", help=help_text)
         else:
-            parser.add_argument(_flag(f.name), type=kind, choices=f.metadata.get("choices"), help=help_text)
+            parser.add_argument(flag_of(f.name), type=kind, choices=f.metadata.get("choices"), help=help_text)
     for name in NOTED_FLAGS:
         if name in _NOTED_WITH_VALUE:
-            parser.add_argument(_flag(name), help=f"accepted, no effect: {NOTED_FLAGS[name]}")
+            parser.add_argument(flag_of(name), help=f"accepted, no effect: {NOTED_FLAGS[name]}")
         else:
-            parser.add_argument(_flag(name), action="store_true", help=f"accepted, no effect: {NOTED_FLAGS[name]}")
+            parser.add_argument(flag_of(name), action="store_true", help=f"accepted, no effect: {NOTED_FLAGS[name]}")
     for name, feature in PLANNED_FLAGS.items():
-        parser.add_argument(_flag(name), help=f"not supported yet ({feature} is planned)")
+        parser.add_argument(flag_of(name), help=f"not supported yet ({feature} is planned)")
     return parser
 
 
@@ -316,10 +312,10 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
     notes = []
     for name, reason in NOTED_FLAGS.items():
         if namespace.pop(name, None) not in (None, False):
-            notes.append(f"{_flag(name)} accepted: {reason}")
+            notes.append(f"{flag_of(name)} accepted: {reason}")
     for name, feature in PLANNED_FLAGS.items():
         if name in namespace:
-            raise ArgumentError(f"{_flag(name)}: {feature} is not supported yet (planned in its own issue)")
+            raise ArgumentError(f"{flag_of(name)}: {feature} is not supported yet (planned in its own issue)")
     values: dict[str, Any] = {}
     config_path = namespace.pop("config", None)
     file_values = {}

@@ -4,12 +4,13 @@ Layout of `--save DIR`:
 
     DIR/latest                   name of the newest complete checkpoint (replaced atomically)
     DIR/iter_0000100/            DCP shards of model + optimizer, state.json, tokenizer.json,
-                                 rng_rank*.pt
+                                 rng_rank*.pt, manifest.json (size and CRC-32 of every file)
     DIR/.iter_0000200.partial/   a save in progress (never read)
 
 A save writes everything into the `.partial` directory, renames it to `iter_*` only when every
 rank has finished, and then points `latest` at it. A process killed mid-save leaves `latest`
-on the previous checkpoint.
+on the previous checkpoint. Loading verifies the manifest (checkpoint_manifest.py); `--load DIR`
+falls back from a damaged checkpoint to the newest intact one, loudly.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from dtmega.train.checkpoint_manifest import MANIFEST, Verdict, verify_checkpoint, write_manifest
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr"), so that ranks holding
 # different parameters (pipeline stages) never overwrite each other's groups.
@@ -85,10 +88,11 @@ def save_checkpoint(
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                partial / f"rng_rank{rank:05d}.pt")
     if _leader():
-        (partial / STATE).write_text(json.dumps({"format": FORMAT, **state}, indent=2))
+        (partial / STATE).write_text(json.dumps({"format": FORMAT, "manifest": MANIFEST, **state}, indent=2))
         if tokenizer_json is not None:
             (partial / TOKENIZER).write_text(tokenizer_json)
     _barrier()
+    write_manifest(partial, [".metadata", STATE, TOKENIZER])
     if _leader():
         if final.exists():  # saving the same iteration again: swap the old one out first
             stale = root / f".{final.name}.stale"
@@ -110,10 +114,10 @@ def has_checkpoint(path: str | Path) -> bool:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory `path` names: a --save directory (its `latest`) or an iter_* dir."""
+    """The checkpoint directory `path` names: a --save directory (its `latest`) or an iter_* dir.
+    No verification: `select_checkpoint` is what loading uses."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"--load {path} does not exist. Fix: point it at a --save directory of an earlier run")
+    _check_exists(path)
     if (path / LATEST).exists():
         target = path / (path / LATEST).read_text().strip()
         if not (target / STATE).exists():
@@ -121,10 +125,74 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return target
     if (path / STATE).exists() and (path / ".metadata").exists():
         return path
-    raise CheckpointError(
+    raise _holds_nothing(path)
+
+
+def _check_exists(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointError(f"--load {path} does not exist. Fix: point it at a --save directory of an earlier run")
+
+
+def _holds_nothing(path: Path) -> CheckpointError:
+    return CheckpointError(
         f"--load {path} holds no checkpoint (no '{LATEST}' file and no iter_* checkpoint). "
         "Fix: point it at the --save directory of an earlier run"
     )
+
+
+def _verify(checkpoint: Path, contents: bool, group) -> Verdict:
+    if not checkpoint.is_dir():
+        return Verdict(checkpoint, [f"{checkpoint} is missing"], "")
+    verdict = verify_checkpoint(checkpoint, contents, group)
+    if verdict.intact and "no manifest" in verdict.checked and (checkpoint / STATE).exists():
+        try:  # a checkpoint saved with a manifest that lost it is not an old checkpoint
+            promised = json.loads((checkpoint / STATE).read_text()).get("manifest")
+        except ValueError:
+            return Verdict(checkpoint, [f"{checkpoint / STATE} is damaged (not JSON)"], verdict.checked)
+        if promised:
+            return Verdict(checkpoint, [f"{checkpoint / MANIFEST} is missing"], verdict.checked)
+    return verdict
+
+
+def _first_problems(verdict: Verdict) -> str:
+    more = len(verdict.problems) - 1
+    return verdict.problems[0] + (f" (and {more} more damaged file{'s' * (more > 1)})" if more else "")
+
+
+def select_checkpoint(path: str | Path, contents: bool = True, group=None) -> tuple[Path, list[str]]:
+    """The checkpoint to load for `--load path`, verified against its manifest, and the notices
+    to print. A --save directory falls back from a damaged `latest` to the newest intact iter_*
+    (the notice says which file was damaged); an explicit iter_* path never falls back: a damaged
+    one is an error naming the file. `contents=False` checks presence and sizes only (cheap, no
+    process group needed); with `contents` the CRC-32s too, collectively when a group is up."""
+    path = Path(path)
+    _check_exists(path)
+    if not (path / LATEST).exists():
+        if not any((path / name).exists() for name in (STATE, ".metadata", MANIFEST)):
+            raise _holds_nothing(path)
+        verdict = _verify(path, contents, group)
+        if not verdict.intact:
+            raise CheckpointError(
+                f"--load {path} is damaged: {_first_problems(verdict)}. An explicit checkpoint path never falls back. "
+                f"Fix: restore that file, or pass the --save directory ({path.parent}) to resume from its newest intact "
+                "checkpoint"
+            )
+        return path, []
+    latest = path / (path / LATEST).read_text().strip()
+    older = sorted((p for p in path.glob("iter_*") if p.is_dir() and p.name != latest.name), reverse=True)
+    rejected: list[Verdict] = []
+    for candidate in [latest, *older]:
+        verdict = _verify(candidate, contents, group)
+        if verdict.intact:
+            notes = [f"CHECKPOINT {bad.checkpoint.name} IS DAMAGED: {_first_problems(bad)}; skipped" for bad in rejected]
+            if rejected:
+                notes.append(f"falling back to {candidate.name}, the newest intact checkpoint in {path}: the steps after "
+                             "it are trained again")
+            return candidate, notes
+        rejected.append(verdict)
+    lines = "\n".join(f"  {bad.checkpoint.name}: {_first_problems(bad)}" for bad in rejected)
+    raise CheckpointError(f"--load {path}: no intact checkpoint there:\n{lines}\n"
+                          "Fix: restore the damaged files from a copy, or start without --load")
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> str:
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
-    check_request(read_head(a.load, tuple(a.custom_import)), a.prompt, a.max_new_tokens)
+    check_request(read_head(a.load, tuple(a.custom_import), contents=False), a.prompt, a.max_new_tokens)
     pm, tokenizer, _ = restore(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
     if pm.program.facts.family != "dtmega-llama":
         raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "

@@ -22,7 +22,7 @@ from dtmega.data.tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
 from dtmega.models.registry import ModelSpec, model_spec
 from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
-from dtmega.train.checkpoint import read_state, resolve_checkpoint
+from dtmega.train.checkpoint import read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
 from dtmega.train.setup import (
     RunShape, build_plan, model_config, padded_vocab, reject_unsupported, run_shape, tokenizer_spec,
@@ -146,8 +146,9 @@ def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
 
 def vocab_from_checkpoint(load: str, spec: ModelSpec, config, tokenizer_vocab: int, tp: int):
     """The checkpoint decides the padded vocabulary (padding depends on the TP size it was
-    trained with), so a run may resume under another TP size."""
-    saved = read_state(resolve_checkpoint(load))["model_config"]["vocab_size"]
+    trained with), so a run may resume under another TP size. The checkpoint is the one loading
+    will pick (a damaged `latest` falls back; files checked by size here, by checksum at load)."""
+    saved = read_state(select_checkpoint(load, contents=False)[0])["model_config"]["vocab_size"]
     if saved == config.vocab_size:
         return config
     if saved < tokenizer_vocab or saved % tp:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 import dtmega
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_json
@@ -13,7 +16,8 @@ from dtmega.mesh import default_device_type
 from dtmega.models import model_spec
 from dtmega.models.registry import ModelSpec
 from dtmega.passes import DataParallel, Plan, TensorParallel
-from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, resolve_checkpoint
+from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, select_checkpoint
+from dtmega.train.checkpoint_manifest import LOCAL
 
 
 @dataclass
@@ -28,9 +32,14 @@ class CheckpointHead:
     tokenizer: Tokenizer
 
 
-def read_head(load: str | Path, custom_import: tuple = ()) -> CheckpointHead:
-    """The checkpoint's state, model spec and config, and tokenizer (files only)."""
-    checkpoint = resolve_checkpoint(load)
+def read_head(load: str | Path, custom_import: tuple = (), contents: bool = True, group=None) -> CheckpointHead:
+    """The checkpoint's state, model spec and config, and tokenizer (files only). The checkpoint
+    is verified against its manifest (`contents=False`: sizes only, no checksums); a damaged
+    `latest` of a --save directory falls back to the newest intact one, said on stderr. `group`:
+    the ranks that share the checksum work (default: the world, when a process group is up)."""
+    checkpoint, notes = select_checkpoint(load, contents, group)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     state = read_state(checkpoint)
     for module in custom_import:
         importlib.import_module(module)
@@ -57,14 +66,15 @@ def restore(
     """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
     tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
     sub-mesh of a larger job); `custom_import` names modules that register the model."""
-    head = read_head(load, custom_import)
-    checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
     if mesh is None:
         device_type = default_device_type()
         if data_parallel == "ddp":
             mesh = dtmega.make_mesh(tp=tp, dp_replicate=-1, dp_shard=1, device_type=device_type)
         else:
             mesh = dtmega.make_mesh(tp=tp, dp_shard=-1 if data_parallel else 1, device_type=device_type)
+    whole_world = dist.is_initialized() and mesh.size() == dist.get_world_size()
+    head = read_head(load, custom_import, group=None if whole_world else LOCAL)  # the mesh's ranks share the work
+    checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
     passes = [TensorParallel()] if tp > 1 else []
     if data_parallel:
         passes.append(DataParallel(data_parallel))

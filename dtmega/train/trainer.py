@@ -22,7 +22,7 @@ from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
-from dtmega.train.checkpoint import load_checkpoint, load_runtime_state, save_checkpoint
+from dtmega.train.checkpoint import load_checkpoint, load_runtime_state, save_checkpoint, select_checkpoint
 from dtmega.train.divergence import StepHealth
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
@@ -103,18 +103,22 @@ class Trainer:
             static = args.loss_scale is not None
             self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, dynamic=not static,
                                      min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
-        self.iteration, consumed = 0, 0
+        self.iteration, consumed, self.loaded = 0, 0, None
         if args.load:
-            state = load_checkpoint(args.load, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
+            checkpoint, damaged = select_checkpoint(args.load)  # every file checked against its CRC-32
+            for note in damaged:
+                self.console.print(f"[bold red]{note}[/bold red]")
+            self.loaded = checkpoint
+            state = load_checkpoint(checkpoint, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
             self.iteration, consumed = state["iteration"], state["consumed_samples"]
             template = self.pm.runtime_state_dict()
-            missing = self.pm.load_runtime_state_dict(load_runtime_state(args.load, template))
+            missing = self.pm.load_runtime_state_dict(load_runtime_state(checkpoint, template))
             if missing:
                 self.console.print(f"[dim]note: {args.load} holds no state for {len(missing)} run-time entries "
                                    f"(e.g. {missing[0]}: written without FP8?); they start fresh[/dim]")
             if self.scaler and state.get("loss_scaler"):
                 self.scaler.load_state_dict(state["loss_scaler"])
-            self.console.print(f"resumed from {args.load} at step {self.iteration} ({consumed} samples consumed)")
+            self.console.print(f"resumed from {checkpoint} at step {self.iteration} ({consumed} samples consumed)")
         self.loader = BatchLoader(
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
@@ -212,7 +216,7 @@ class Trainer:
         health = None
         if not args.no_check_for_nan_in_loss_and_grad:
             health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
-                                last_checkpoint=str(args.load) if args.load else None)
+                                last_checkpoint=str(self.loaded) if self.loaded else None)
         if self.iteration >= args.train_iters:
             self.console.print(
                 f"[bold yellow]nothing to train:[/bold yellow] the checkpoint is at step {self.iteration} and "

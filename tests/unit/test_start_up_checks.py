@@ -4,6 +4,7 @@ used to be found only when the first save failed, after the training it was mean
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import torch
 from dtmega.train import checkpoint_paths
 from dtmega.train.args import ArgumentError, parse_train_args
 from dtmega.train.checkpoint import CheckpointError, resolve_checkpoint
+from dtmega.train.checkpoint_manifest import MANIFEST, file_checksum
 from dtmega.train.restore import read_head
 from dtmega.train.trainer import train
 from tests.train_helpers import prepare_corpus, tiny_args
@@ -103,6 +105,10 @@ def test_rng_states_are_loaded_as_data_only(corpus, tmp_path, capsys):
     buffer = io.BytesIO()
     torch.save({"cpu": torch.get_rng_state(), "cuda": [], "payload": _RunsCode()}, buffer)
     rng_file.write_bytes(buffer.getvalue())
+    manifest = json.loads((rng_file.parent / MANIFEST).read_text())  # a forged checkpoint forges its manifest too
+    size, crc = file_checksum(rng_file)
+    manifest["files"][rng_file.name] = {"size": size, "crc32": crc}
+    (rng_file.parent / MANIFEST).write_text(json.dumps(manifest))
     capsys.readouterr()
     with pytest.raises(CheckpointError, match=r"rng_rank00000.pt holds more than RNG state tensors .*weights_only"):
         train(tiny_args(corpus, train_iters=3, save=str(save), load=str(save)))

@@ -1,0 +1,96 @@
+"""Auto-resume (issue 18): Megatron's restartable launch, one directory as --save and --load,
+under `torchrun --max-restarts 1`. A rank killed with SIGKILL mid-run makes torchrun restart
+every worker; the restarted job resumes from the latest intact checkpoint by itself and logs the
+same losses as an uninterrupted run, step for step.
+
+Two real 2-rank torchrun jobs (subprocesses): the uninterrupted reference, and the one whose
+rank 1 is killed once its first checkpoints exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import prepare_corpus, tiny_args
+
+STEPS, SAVE_EVERY = 24, 4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=200)
+
+
+def _launch(corpus: str, run: Path, restarts: int) -> subprocess.Popen:
+    argv = tiny_args(corpus, train_iters=STEPS, save=run / "ckpt", load=run / "ckpt", save_interval=SAVE_EVERY,
+                     log_interval=1, eval_iters=0, log_file=run / "metrics.jsonl",
+                     tensor_model_parallel_size=2)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", str(restarts), "-m", "dtmega", "train", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=open(run / "out.txt", "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """step -> loss of every logged step (the restarted attempt's entries replace the first's)."""
+    losses = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and "step" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def _worker_of_rank(launcher: int, rank: int) -> int | None:
+    """The pid of the worker with RANK=`rank` among the launcher's children (Linux /proc)."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    return None
+
+
+def _wait(process: subprocess.Popen, run: Path, seconds: float = 300) -> str:
+    try:
+        process.wait(timeout=seconds)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return (run / "out.txt").read_text()
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_with_the_same_losses(corpus, tmp_path):
+    reference_run, restarted_run = tmp_path / "reference", tmp_path / "restarted"
+    reference_run.mkdir(), restarted_run.mkdir()
+    out = _wait(_launch(corpus, reference_run, restarts=0), reference_run)
+    reference = _losses(reference_run)
+    assert sorted(reference) == list(range(1, STEPS + 1)), out
+
+    launcher = _launch(corpus, restarted_run, restarts=1)
+    deadline = time.monotonic() + 240
+    while not (restarted_run / "ckpt" / f"iter_{2 * SAVE_EVERY:07d}").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, (restarted_run / "out.txt").read_text()
+        time.sleep(0.05)
+    victim = _worker_of_rank(launcher.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out = _wait(launcher, restarted_run)
+    assert launcher.returncode == 0, out
+    resumed_at = int(out.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert resumed_at >= 2 * SAVE_EVERY and resumed_at % SAVE_EVERY == 0, out
+    restarted = _losses(restarted_run)
+    assert sorted(restarted) == list(range(1, STEPS + 1)), out
+    # The same plan on the same ranks runs the same kernels in the same order, and a resume
+    # restores every state (weights, optimizer, data position, RNG): the losses are bit-identical.
+    assert restarted == reference, out

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(commands[command])
+    from dtmega.joining import DistributedTimeout
     try:
         module.main(rest)
         _shut_down_process_group()
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                        highlight=False)
         return 2
+    except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
+                                                   highlight=False)
+        return 3
     return 0
 
 

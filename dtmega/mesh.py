@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtmega.joining import rendezvous
 from dtmega.passes.axes import STANDARD_AXES as AXES  # Megatron's order, slowest to fastest
 from dtmega.passes.errors import PlanError
 
@@ -26,17 +27,18 @@ def init_distributed(device_type: str | None = None, timeout: timedelta = timede
 
     Under torchrun (RANK/WORLD_SIZE set) that is the launched world, on nccl for CUDA (with gloo
     for CPU tensors) and gloo for CPU; otherwise a one-rank world, so single-process scripts
-    and notebooks run the same code.
+    and notebooks run the same code. Every rank is waited for at most `timeout` (also the
+    collectives' timeout), and ranks that never arrive are named (joining.py).
     """
     if dist.is_initialized():
         return
     device_type = device_type or default_device_type()
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        store, rank, world = rendezvous(timeout)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -27,26 +29,31 @@ def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_p
 
 
 class BatchLoader:
-    """Global batch g covers samples [g*G, (g+1)*G); this rank takes its contiguous 1/dp slice.
-    The position is `consumed_samples`, so a resumed run reads exactly what it would have."""
+    """Global batch g covers positions [g*G, (g+1)*G); this rank takes its contiguous 1/dp slice.
+    The position is `consumed_samples`, so a resumed run reads exactly what it would have.
+    `order` maps a position to a dataset index (sample_order.py's CyclicOrder for
+    `--dataloader-type cyclic`, which never runs out); by default position p is sample p."""
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, *, eod: int,
-                 eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0):
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0,
+                 order: Callable[[int], int] | None = None):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
         self.dataset, self.global_batch = dataset, global_batch
         self.dp_rank, self.local = dp_rank, global_batch // dp_size
         self.eod, self.eod_mask_loss, self.reset_position_ids = eod, eod_mask_loss, reset_position_ids
         self.consumed_samples = consumed_samples
+        self.order = order
 
     def __iter__(self):
         return self
 
     def __next__(self) -> TensorDict:
         start = self.consumed_samples + self.dp_rank * self.local
-        if self.consumed_samples + self.global_batch > len(self.dataset):
+        if self.order is None and self.consumed_samples + self.global_batch > len(self.dataset):
             raise StopIteration
-        samples = np.stack([self.dataset[i] for i in range(start, start + self.local)])
+        order = self.order or int
+        samples = np.stack([self.dataset[order(i)] for i in range(start, start + self.local)])
         self.consumed_samples += self.global_batch
         return sample_to_fields(samples, self.eod, self.eod_mask_loss, self.reset_position_ids)
 

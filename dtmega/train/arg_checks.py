@@ -33,7 +33,7 @@ AT_LEAST_ZERO = (
 )
 # Strictly positive reals.
 POSITIVE = ("init_method_std", "norm_epsilon", "rotary_base", "adam_eps", "initial_loss_scale", "min_loss_scale",
-            "loss_scale", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor")
+            "loss_scale", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor", "distributed_timeout_minutes")
 
 
 class OptionValueError(ValueError):

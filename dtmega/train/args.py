@@ -145,6 +145,8 @@ class TrainArgs:
     no_check_for_nan_in_loss_and_grad: bool = _opt(False, "never stop a run for non-finite losses or gradient "
                                                           "norms (such steps are still skipped)")
     max_skipped_steps: int = _opt(10, "non-finite steps in a row that stop the run as diverged (exit 2)")
+    check_for_spiky_loss: bool = _opt(False, "a loss above 10x the recent maximum re-runs its step once on the same "
+                                             "batch: reproduced = from the data or model, not = a transient fault")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
@@ -166,6 +168,8 @@ class TrainArgs:
     eod_mask_loss: bool = _opt(False, "no loss on positions whose input is end-of-document")
     reset_position_ids: bool = _opt(False, "restart position ids after each end-of-document")
     reset_attention_mask: bool = _opt(False, "block attention across documents (not supported yet)")
+    dataloader_type: str = _opt("single", "single: the dataset's own (shuffled) order; cyclic: also a fresh "
+                                          "shuffle of the samples every pass (resumable)", ("single", "cyclic"))
     # ---- checkpoints, evaluation, logging ----
     save: str | None = _opt(None, "checkpoint directory to write")
     load: str | None = _opt(None, "checkpoint directory (or iter_* directory) to resume from")
@@ -173,6 +177,8 @@ class TrainArgs:
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")
     log_interval: int = _opt(100, "steps between metric logs")
+    distributed_timeout_minutes: float = _opt(10.0, "how long a rank waits for the others at start-up and in any "
+                                                    "collective before the run stops naming who is missing")
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
     seed: int = _opt(1234, "random seed (init and data order)")

@@ -10,6 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import dtmega
 from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
+from dtmega.data.sample_order import CyclicOrder
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
@@ -27,6 +29,8 @@ from dtmega.train.divergence import StepHealth
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
 from dtmega.train.schedule import LRSchedule
+from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
+from dtmega.train.watch import Progress, check_same_arguments, launch_settings, looks_like_timeout
 from dtmega.train.prepare import dry_run, prepare_run
 
 
@@ -62,7 +66,8 @@ class Trainer:
         self.device_type = default_device_type()
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
-        init_distributed(self.device_type)
+        init_distributed(self.device_type, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        check_same_arguments(launch_settings(to_toml_dict(args), run.plan.to_toml()))  # before any work
         self.rank = dist.get_rank()
         self.leader = self.rank == 0
         self.console = make_console(self.leader)
@@ -85,6 +90,7 @@ class Trainer:
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
+        self.progress = Progress(self.mesh, args.distributed_timeout_minutes)
         model = run.build_model(args.seed)
         self.num_params = count_parameters(model)
         if self.spec.materialize == "seeded" and self.device_type != "cpu":
@@ -122,7 +128,9 @@ class Trainer:
         self.loader = BatchLoader(
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
+            order=CyclicOrder(len(self.datasets["train"]), g, args.seed) if args.dataloader_type == "cyclic" else None,
         )
+        self.spikes = SpikyLossCheck() if args.check_for_spiky_loss else None
         self.flops_per_token = flops_per_token(self.config, args.seq_length, self.spec)
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
         self.moe = self.pm.hook(MoERuntime)
@@ -137,7 +145,10 @@ class Trainer:
         with bf16/fp32 on GPUs (fused AdamW) nothing here waits for the device, a step whose
         gradient norm is not finite is skipped by the optimizer kernel itself (`found_inf`)."""
         scale = self.scaler.scale if self.scaler else 1.0
+        rng = random_state() if self.spikes else None
         loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+        if self.spikes is not None:
+            loss = self._check_spike(batch, loss, rng, scale)
         params = list(self.pm.parameters())  # after backward: the sharded parameters the optimizer holds
         if scale != 1.0:
             scale_grads(params, 1.0 / scale)
@@ -160,6 +171,20 @@ class Trainer:
             self.pm.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach(), norm, overflow
+
+    def _check_spike(self, batch, loss: torch.Tensor, rng, scale: float) -> torch.Tensor:
+        """--check-for-spiky-loss: a spike re-runs forward and backward once on the same batch
+        from the same random state (spiky_loss.py); returns the loss the step goes on with. The
+        loss is the job's mean, the same on every rank, so every rank re-runs alike."""
+        value = float(loss)
+        if self.spikes.is_spike(value):
+            self.optimizer.zero_grad(set_to_none=True)
+            set_random_state(rng)
+            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+            spike = self.spikes.record(self.iteration + 1, value, float(loss))
+            self.console.print(f"[bold {'yellow' if spike.reproduced else 'red'}]{spike.describe()}[/]")
+        self.spikes.accept(float(loss))
+        return loss
 
     def _state(self) -> dict:
         return {
@@ -198,6 +223,16 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Trains to --train-iters; a collective that times out becomes a DistributedTimeout
+        naming where every rank is (watch.py)."""
+        try:
+            return self._run()
+        except Exception as error:
+            if self.shape.world > 1 and looks_like_timeout(error):
+                raise self.progress.explain(error) from error
+            raise
+
+    def _run(self) -> TrainResult:
         args, shape = self.args, self.shape
         result = TrainResult(iteration=self.iteration, unigram_entropy=self.unigram_entropy)
         self.console.print(self.pm.report())
@@ -224,7 +259,9 @@ class Trainer:
                 "--train-iters to train on"
             )
         while self.iteration < args.train_iters:
+            self.progress.mark(self.iteration + 1, "loading data")
             batch = next(self.loader).to(self.device_type)
+            self.progress.mark(self.iteration + 1, "forward/backward and optimizer step")
             loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
             if health is not None:
@@ -256,9 +293,11 @@ class Trainer:
                 self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
             if self.iteration % args.eval_interval == 0 or last:
+                self.progress.mark(self.iteration, "validation")
                 self.validate(result)
             if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last):
                 if health is None or health.may_save():
+                    self.progress.mark(self.iteration, "checkpoint save")
                     result.checkpoint = self.save()
                     if health is not None:
                         health.last_checkpoint = str(result.checkpoint)

@@ -121,6 +121,21 @@ def test_damaged_pointers_are_refused(tmp_path):
         IndexedDataset(tmp_path / "d")
 
 
+@pytest.mark.parametrize("count, message", [
+    (1000, r"d.idx is truncated: 122 bytes, but its header describes 12074"),
+    (2, r"d.bin has 92 bytes, but .*d.idx describes 8 .*do not belong together"),
+    (0, r"d.bin has 92 bytes, but .*d.idx describes 0 .*do not belong together"),
+])
+def test_a_damaged_sequence_count_is_named_as_the_index(tmp_path, count, message):
+    """The issue's case: a corrupted sequence count in the header was blamed on "use more data"."""
+    write(tmp_path / "d")
+    data = bytearray((tmp_path / "d.idx").read_bytes())
+    data[18:26] = struct.pack("<q", count)  # after the magic (9), version (8) and dtype code (1)
+    (tmp_path / "d.idx").write_bytes(bytes(data))
+    with pytest.raises(DatasetFormatError, match=message):
+        IndexedDataset(tmp_path / "d")
+
+
 def test_identity_names_the_corpus_not_the_copy(tmp_path):
     """The sample-index cache key: the same files copied elsewhere keep it; another corpus
     preprocessed into the same prefix changes it."""

@@ -1,0 +1,29 @@
+"""Ranks launched with different arguments (issue 18): one all-gather of a digest before any
+work; every rank raises the same error naming the ranks and the settings that differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dtmega.train.args import ArgumentError
+from dtmega.train.watch import check_same_arguments
+
+
+def _settings(lr: float) -> dict:
+    return {"args": {"lr": lr, "train_iters": 20, "data_path": ["d"]}, "plan": "[tp]", "world_size": 4}
+
+
+def test_identical_arguments_pass():
+    check_same_arguments(_settings(1e-3))
+
+
+def test_differing_arguments_are_named_on_every_rank():
+    rank = dist.get_rank()
+    with pytest.raises(ArgumentError) as caught:
+        check_same_arguments(_settings(2e-3 if rank in (1, 2) else 1e-3))
+    message = str(caught.value)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, message)
+    assert len(set(everyone)) == 1
+    assert "ranks 1-2: args.lr = 0.002 (rank 0: 0.001)" in message and "nothing ran" in message

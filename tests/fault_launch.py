@@ -1,0 +1,42 @@
+"""`dtmega <command> ...` with a fault injected into one rank, for the hang-free tests:
+
+    torchrun --nproc-per-node 2 tests/fault_launch.py late-join|stall-data RANK dtmega-args...
+
+late-join: rank RANK starts 60 s late (a node that never arrives in time);
+stall-data: rank RANK hangs for 60 s fetching its third batch (a stuck filesystem).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    fault, victim, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    me = int(os.environ["RANK"])
+    if fault == "late-join" and me == victim:
+        time.sleep(60)
+    elif fault == "stall-data":
+        from dtmega.data.loader import BatchLoader
+
+        fetch, calls = BatchLoader.__next__, [0]
+
+        def stalling(self):
+            calls[0] += 1
+            if me == victim and calls[0] == 3:
+                time.sleep(60)
+            return fetch(self)
+
+        BatchLoader.__next__ = stalling
+    from dtmega.cli import main as dtmega
+
+    return dtmega(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

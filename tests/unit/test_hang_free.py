@@ -1,0 +1,71 @@
+"""Failures never hang (issue 18): a rank that never joins, and a rank stuck mid-step, end the
+job within --distributed-timeout-minutes with a message naming the ranks; before, every rank
+waited a fixed 10 minutes and ended in a raw DistStoreError or recv timeout.
+
+Real 2-rank jobs (torchrun, or a hand launch with RANK/WORLD_SIZE/MASTER_ADDR as SLURM scripts
+set them), a 3-second timeout (0.05 min)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import prepare_corpus, tiny_args
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = "0.05"  # minutes: 3 s
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=120)
+
+
+def _train_argv(corpus: str) -> list[str]:
+    return ["train", *tiny_args(corpus, train_iters=6, eval_iters=0, log_interval=1, tensor_model_parallel_size=2),
+            "--distributed-timeout-minutes", TIMEOUT]
+
+
+def _torchrun(fault: str, victim: int, argv: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--local-ranks-filter", "0", str(ROOT / "tests" / "fault_launch.py"), fault, str(victim), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_rank_that_never_joins_is_named_within_the_timeout(corpus):
+    done = _torchrun("late-join", 1, _train_argv(corpus))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "dtmega train: rank 0: rank 1 of 2 did not join within 0.05 min (--distributed-timeout-minutes)" in output
+
+
+def test_a_rank_stuck_mid_step_is_named_with_its_phase(corpus):
+    """Rank 1 hangs fetching its third batch: rank 0's tensor-parallel collective times out, and
+    its message says where each rank is (read from the rendezvous store, which still answers)."""
+    done = _torchrun("stall-data", 1, _train_argv(corpus))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "rank 0: a collective timed out after 0.05 min (--distributed-timeout-minutes) at step 3" in output
+    assert "rank 0: step 3, forward/backward and optimizer step" in output
+    assert "rank 1: step 3, loading data" in output
+    assert "This rank's collectives run over: tp (ranks 0-1)" in output
+
+
+def test_a_hand_launched_job_names_the_rank_that_never_came(corpus):
+    """Without torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by hand or by SLURM), rank 0
+    hosts the store; rank 1 is never started. Exit 3, within seconds, naming rank 1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "dtmega", *_train_argv(corpus)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env, check=False)
+    assert done.returncode == 3, done.stderr
+    assert "rank 0: rank 1 of 2 did not join within 0.05 min" in done.stderr

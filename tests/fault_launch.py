@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 tests/fault_launch.py late-join|stall-data RANK dtmega-args...
 
 late-join: rank RANK starts 60 s late (a node that never arrives in time);
-stall-data: rank RANK hangs for 60 s fetching its third batch (a stuck filesystem).
+stall-data: rank RANK hangs for 60 s fetching its third batch (a stuck filesystem);
+slow-data: rank RANK takes 0.2 s longer to fetch every batch (a slow disk: a straggler).
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ def main() -> int:
     me = int(os.environ["RANK"])
     if fault == "late-join" and me == victim:
         time.sleep(60)
-    elif fault == "stall-data":
+    elif fault in ("stall-data", "slow-data"):
         from dtmega.data.loader import BatchLoader
 
         fetch, calls = BatchLoader.__next__, [0]
 
         def stalling(self):
             calls[0] += 1
-            if me == victim and calls[0] == 3:
-                time.sleep(60)
+            if me == victim and (fault == "slow-data" or calls[0] == 3):
+                time.sleep(0.2 if fault == "slow-data" else 60)
             return fetch(self)
 
         BatchLoader.__next__ = stalling

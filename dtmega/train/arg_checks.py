@@ -23,6 +23,7 @@ AT_LEAST_ONE = (
     "recompute_num_layers", "fp8_amax_history_len", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters",
     "lr_wsd_decay_iters", "loss_scale_window", "save_interval", "eval_interval", "log_interval", "max_skipped_steps",
+    "straggler_minmax_count",
 )
 # Counts, rates and coefficients where 0 means "none" but a negative value means nothing.
 AT_LEAST_ZERO = (

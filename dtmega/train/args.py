@@ -177,6 +177,9 @@ class TrainArgs:
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")
     log_interval: int = _opt(100, "steps between metric logs")
+    log_straggler: bool = _opt(False, "at every log: each rank's step time and batch-fetching time, the fastest "
+                                      "and slowest ranks named (one small all-gather)")
+    straggler_minmax_count: int = _opt(1, "with --log-straggler: how many fastest and slowest ranks to name")
     distributed_timeout_minutes: float = _opt(10.0, "how long a rank waits for the others at start-up and in any "
                                                     "collective before the run stops naming who is missing")
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")

@@ -29,6 +29,7 @@ from dtmega.train.divergence import StepHealth
 from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
 from dtmega.train.schedule import LRSchedule
+from dtmega.train.straggler import StragglerLog
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
 from dtmega.train.watch import Progress, check_same_arguments, launch_settings, looks_like_timeout
 from dtmega.train.prepare import dry_run, prepare_run
@@ -131,6 +132,7 @@ class Trainer:
             order=CyclicOrder(len(self.datasets["train"]), g, args.seed) if args.dataloader_type == "cyclic" else None,
         )
         self.spikes = SpikyLossCheck() if args.check_for_spiky_loss else None
+        self.stragglers = StragglerLog(args.straggler_minmax_count) if args.log_straggler else None
         self.flops_per_token = flops_per_token(self.config, args.seq_length, self.spec)
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
         self.moe = self.pm.hook(MoERuntime)
@@ -260,7 +262,10 @@ class Trainer:
             )
         while self.iteration < args.train_iters:
             self.progress.mark(self.iteration + 1, "loading data")
+            fetch_start = time.perf_counter()
             batch = next(self.loader).to(self.device_type)
+            if self.stragglers:
+                self.stragglers.add_data_time(time.perf_counter() - fetch_start)
             self.progress.mark(self.iteration + 1, "forward/backward and optimizer step")
             loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
@@ -280,6 +285,7 @@ class Trainer:
                 tokens = window_steps * shape.global_batch * args.seq_length
                 tflops = self.flops_per_token * tokens / elapsed / shape.world / 1e12
                 moe = self._moe_metrics(window_moe)
+                stragglers, straggler_line = self.stragglers.report(window_steps, elapsed) if self.stragglers else ({}, None)
                 self.logger.log({
                     "step": self.iteration, "loss": sum(window_losses) / len(window_losses),
                     "lr": self.schedule(self.iteration), "grad_norm": float(norm),
@@ -288,8 +294,10 @@ class Trainer:
                     "memory_gib": memory_gib(self.device_type), "skipped_steps": int(skipped),
                     "consumed_samples": self.loader.consumed_samples,
                     **({"loss_scale": self.scaler.scale} if self.scaler else {}),
-                    **moe,
+                    **moe, **stragglers,
                 })
+                if straggler_line:
+                    self.console.print(straggler_line)
                 self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
             if self.iteration % args.eval_interval == 0 or last:

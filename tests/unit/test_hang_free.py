@@ -7,6 +7,7 @@ set them), a 3-second timeout (0.05 min)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -69,3 +70,29 @@ def test_a_hand_launched_job_names_the_rank_that_never_came(corpus):
                           timeout=120, cwd=ROOT, env=env, check=False)
     assert done.returncode == 3, done.stderr
     assert "rank 0: rank 1 of 2 did not join within 0.05 min" in done.stderr
+
+
+def test_log_straggler_names_the_slow_rank(corpus, tmp_path):
+    """--log-straggler: rank 1 takes 0.2 s longer to fetch each batch; every log step names it
+    as the slowest in fetching, in the console and in metrics.jsonl."""
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [*_train_argv(corpus), "--log-straggler", "--log-interval", "2", "--log-file", str(metrics)]
+    argv[argv.index("--distributed-timeout-minutes") + 1] = "5"
+    done = _torchrun("slow-data", 1, argv)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("stragglers:")]
+    assert len(lines) == 3 and all("fetching the batch min" in line for line in lines)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if "straggler_data_ms_max" in line]
+    assert len(records) == 3
+    for record in records:
+        assert record["straggler_data_ms_max_rank"] == 1 and record["straggler_data_ms_max"] >= 200
+        assert record["straggler_data_ms_min_rank"] == 0 and record["straggler_data_ms_min"] < 100
+        assert record["straggler_step_ms_max"] >= 200  # every rank waits for the slow one
+
+
+def test_straggler_minmax_count_names_that_many_ranks():
+    from dtmega.train.straggler import extremes
+
+    found = extremes([0.010, 0.030, 0.020, 0.005], count=2)
+    assert found.fastest == [(5.0, 3), (10.0, 0)] and found.slowest == [(30.0, 1), (20.0, 2)]
+    assert found.describe() == "min 5.0 ms (rank 3), 10.0 ms (rank 0), max 30.0 ms (rank 1), 20.0 ms (rank 2)"

@@ -253,6 +253,7 @@ def test_toml_numbers_for_text_options_read_as_the_command_line_would(tmp_path):
     ("--eval-iters -1", r"--eval-iters -1: must be 0 or more"),
     ("--lr nan", r"--lr nan: must be a finite number"),
     ("--distributed-timeout-minutes 0", r"--distributed-timeout-minutes 0.0: must be greater than 0"),
+    ("--straggler-minmax-count 0", r"--straggler-minmax-count 0: must be at least 1"),
 ])
 def test_sizes_and_counts_that_mean_nothing_are_refused_by_flag(flags, message):
     """Before: a zero micro- and global batch silently became 1 and 2, --train-iters 0 was

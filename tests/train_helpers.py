@@ -40,7 +40,7 @@ def tiny_args(data: str, **overrides) -> list[str]:
     for key, value in options.items():
         if value is True:
             argv.append(f"--{key}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # 0 is a value (`0 in (None, False)` is True)
             argv += [f"--{key}", str(value)]
     return argv
 

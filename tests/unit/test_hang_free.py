@@ -3,7 +3,7 @@ job within --distributed-timeout-minutes with a message naming the ranks; before
 waited a fixed 10 minutes and ended in a raw DistStoreError or recv timeout.
 
 Real 2-rank jobs (torchrun, or a hand launch with RANK/WORLD_SIZE/MASTER_ADDR as SLURM scripts
-set them), a 3-second timeout (0.05 min)."""
+set them), a 6-second timeout (0.1 min)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from tests.train_helpers import prepare_corpus, tiny_args
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = "0.05"  # minutes: 3 s
+TIMEOUT = "0.1"  # minutes: 6 s (start-up skew between the ranks of a loaded 2-core machine stays well under it)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout(corpus):
     done = _torchrun("late-join", 1, _train_argv(corpus))
     output = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "dtmega train: rank 0: rank 1 of 2 did not join within 0.05 min (--distributed-timeout-minutes)" in output
+    assert "dtmega train: rank 0: rank 1 of 2 did not join within 0.1 min (--distributed-timeout-minutes)" in output
 
 
 def test_a_rank_stuck_mid_step_is_named_with_its_phase(corpus):
@@ -52,7 +52,7 @@ def test_a_rank_stuck_mid_step_is_named_with_its_phase(corpus):
     done = _torchrun("stall-data", 1, _train_argv(corpus))
     output = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "rank 0: a collective timed out after 0.05 min (--distributed-timeout-minutes) at step 3" in output
+    assert "rank 0: a collective timed out after 0.1 min (--distributed-timeout-minutes) at step 3" in output
     assert "rank 0: step 3, forward/backward and optimizer step" in output
     assert "rank 1: step 3, loading data" in output
     assert "This rank's collectives run over: tp (ranks 0-1)" in output
@@ -69,7 +69,7 @@ def test_a_hand_launched_job_names_the_rank_that_never_came(corpus):
     done = subprocess.run([sys.executable, "-m", "dtmega", *_train_argv(corpus)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env=env, check=False)
     assert done.returncode == 3, done.stderr
-    assert "rank 0: rank 1 of 2 did not join within 0.05 min" in done.stderr
+    assert "rank 0: rank 1 of 2 did not join within 0.1 min" in done.stderr
 
 
 def test_log_straggler_names_the_slow_rank(corpus, tmp_path):

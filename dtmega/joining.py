@@ -25,8 +25,8 @@ class DistributedTimeout(RuntimeError):
     ranks that waited (a missing rank cannot say anything), so every such rank prints it."""
 
 
-def _ranges(ranks: list[int]) -> str:
-    """'1, 3-5, 9' for [1, 3, 4, 5, 9]."""
+def rank_ranges(ranks: list[int]) -> str:
+    """'1, 3-5, 9' for [1, 3, 4, 5, 9]: rank lists in messages stay short at any scale."""
     spans, start = [], None
     for index, rank in enumerate(ranks):
         if start is None:
@@ -37,7 +37,8 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(spans)
 
 
-def _minutes(timeout: timedelta) -> str:
+def minutes_text(timeout: timedelta) -> str:
+    """'0.1 min' for a timeout, as --distributed-timeout-minutes spells it."""
     return f"{timeout.total_seconds() / 60:g} min"
 
 
@@ -60,7 +61,7 @@ def rendezvous(timeout: timedelta) -> tuple[dist.Store, int, int]:
     except (dist.DistStoreError, RuntimeError) as error:  # this rank cannot reach the store's host
         raise DistributedTimeout(
             f"rank {rank}: cannot reach the rendezvous at {address} (hosted by rank 0 or torchrun's agent) within "
-            f"{_minutes(timeout)}: {str(error).splitlines()[0].rstrip('.')}. {fix}"
+            f"{minutes_text(timeout)}: {str(error).splitlines()[0].rstrip('.')}. {fix}"
         ) from None
     # torchrun's agent store outlives a restart (--max-restarts): the keys of the attempt before,
     # the process group's peer addresses among them, are still there. Each attempt gets its own
@@ -73,7 +74,7 @@ def rendezvous(timeout: timedelta) -> tuple[dist.Store, int, int]:
     except dist.DistStoreError:
         missing = [r for r in range(world) if not store.check([keys[r]])]
         raise DistributedTimeout(
-            f"rank {rank}: rank{'s' * (len(missing) > 1)} {_ranges(missing)} of {world} did not join within "
-            f"{_minutes(timeout)} (--distributed-timeout-minutes). {fix}"
+            f"rank {rank}: rank{'s' * (len(missing) > 1)} {rank_ranges(missing)} of {world} did not join within "
+            f"{minutes_text(timeout)} (--distributed-timeout-minutes). {fix}"
         ) from None
     return store, rank, world

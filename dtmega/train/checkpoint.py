@@ -143,15 +143,7 @@ def _holds_nothing(path: Path) -> CheckpointError:
 def _verify(checkpoint: Path, contents: bool, group) -> Verdict:
     if not checkpoint.is_dir():
         return Verdict(checkpoint, [f"{checkpoint} is missing"], "")
-    verdict = verify_checkpoint(checkpoint, contents, group)
-    if verdict.intact and "no manifest" in verdict.checked and (checkpoint / STATE).exists():
-        try:  # a checkpoint saved with a manifest that lost it is not an old checkpoint
-            promised = json.loads((checkpoint / STATE).read_text()).get("manifest")
-        except ValueError:
-            return Verdict(checkpoint, [f"{checkpoint / STATE} is damaged (not JSON)"], verdict.checked)
-        if promised:
-            return Verdict(checkpoint, [f"{checkpoint / MANIFEST} is missing"], verdict.checked)
-    return verdict
+    return verify_checkpoint(checkpoint, contents, group)
 
 
 def _first_problems(verdict: Verdict) -> str:

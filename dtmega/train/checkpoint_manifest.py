@@ -106,11 +106,28 @@ def _read_manifest(checkpoint: Path) -> dict | None:
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        if manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict):
+        if manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get(ALGORITHM), str)
+                for e in files.values()):
             raise ValueError
         return files
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return {}
+
+
+def _without_manifest(checkpoint: Path) -> Verdict:
+    """A checkpoint with no manifest: one written before manifests (its state.json does not
+    promise one) is checked for its index and state files; one that lost its manifest is damaged."""
+    state = checkpoint / "state.json"
+    missing = [f"{checkpoint / name} is missing" for name in (".metadata", "state.json") if not (checkpoint / name).exists()]
+    if not missing:
+        try:
+            promised = json.loads(state.read_text()).get("manifest")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return Verdict(checkpoint, [f"{state} is damaged (not a JSON object)"], "no manifest")
+        if promised:
+            return Verdict(checkpoint, [f"{checkpoint / MANIFEST} is missing"], "no manifest")
+    return Verdict(checkpoint, missing, "no manifest (written before checksums): index and state files only")
 
 
 def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Verdict:
@@ -119,10 +136,8 @@ def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Ve
     are dealt out over its ranks and every rank returns the same verdict; `group=LOCAL` checks
     everything in this process alone."""
     files = _read_manifest(checkpoint)
-    if files is None:  # written before manifests: the index and state must be there at least
-        missing = [name for name in (".metadata", "state.json") if not (checkpoint / name).exists()]
-        return Verdict(checkpoint, [f"{checkpoint / name} is missing" for name in missing],
-                       "no manifest (written before checksums): index files only")
+    if files is None:
+        return _without_manifest(checkpoint)
     if not files:
         return Verdict(checkpoint, [f"{checkpoint / MANIFEST} is damaged (not a {ALGORITHM} manifest)"], "manifest")
     problems: list[str] = []

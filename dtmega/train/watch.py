@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtmega.joining import DistributedTimeout, _minutes, _ranges
+from dtmega.joining import DistributedTimeout, minutes_text, rank_ranges
 from dtmega.train.args import ArgumentError
 
 
@@ -60,7 +61,7 @@ def check_same_arguments(settings: dict, group=None) -> None:
         differences = [f"{key} = {flat.get(key, '(unset)')!r} (rank 0: {reference.get(key, '(unset)')!r})"
                        for key in keys if flat.get(key) != reference.get(key)]
         by_difference.setdefault("; ".join(differences[:5]) + (" ..." if len(differences) > 5 else ""), []).append(rank)
-    lines = [f"ranks {_ranges(ranks)}: {difference}" for difference, ranks in by_difference.items()]
+    lines = [f"rank{'s' * (len(ranks) > 1)} {rank_ranges(ranks)}: {difference}" for difference, ranks in by_difference.items()]
     raise ArgumentError(
         "the ranks were launched with different arguments, plans or versions; nothing ran:\n  " + "\n  ".join(lines)
         + "\nFix: launch every rank with the same command line, config file and environment (one torchrun/srun line "
@@ -117,7 +118,7 @@ class Progress:
             except (RuntimeError, ValueError):
                 place = "unknown (the store did not answer)"
             places.setdefault(place, []).append(rank)
-        return [f"rank{'s' * (len(r) > 1)} {_ranges(r)}: {place}" for place, r in places.items()]
+        return [f"rank{'s' * (len(r) > 1)} {rank_ranges(r)}: {place}" for place, r in places.items()]
 
     def peers(self) -> list[str]:
         """'tp (ranks 0, 1)' per mesh axis of size > 1: this rank's groups, where a collective waits."""
@@ -126,23 +127,17 @@ class Progress:
         for name in names:
             if self.mesh[name].size() > 1:
                 ranks = dist.get_process_group_ranks(self.mesh.get_group(name))
-                lines.append(f"{name} (ranks {_ranges(sorted(ranks))})")
+                lines.append(f"{name} (ranks {rank_ranges(sorted(ranks))})")
         return lines
 
     def explain(self, error: BaseException) -> DistributedTimeout:
         """The timeout `error`, with where this rank was, where every rank is, and the axes."""
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         return DistributedTimeout(
-            f"rank {self.rank}: a collective timed out after {_minutes_of(self.timeout_minutes)} "
+            f"rank {self.rank}: a collective timed out after {minutes_text(timedelta(minutes=self.timeout_minutes))} "
             f"(--distributed-timeout-minutes) at step {self.step}, in {self.phase}. Where the ranks are:\n  "
             + "\n  ".join(self.where_everyone_is())
             + f"\nThis rank's collectives run over: {', '.join(self.peers()) or 'the world'}. The backend said: {first}\n"
             "Fix: look at the logs of the ranks that are elsewhere (a hang or a crash there); a phase that is slow "
             "on purpose (a large save, slow storage) needs a larger --distributed-timeout-minutes"
         )
-
-
-def _minutes_of(minutes: float) -> str:
-    from datetime import timedelta
-
-    return _minutes(timedelta(minutes=minutes))

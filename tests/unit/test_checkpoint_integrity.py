@@ -69,6 +69,9 @@ DAMAGE = {
     "deleted_metadata": (lambda c: (c / ".metadata").unlink(), r"\.metadata is missing"),
     "deleted_manifest": (lambda c: (c / MANIFEST).unlink(), r"manifest\.json is missing"),
     "garbled_manifest": (lambda c: (c / MANIFEST).write_text("{"), r"manifest\.json is damaged"),
+    "manifest_entry_without_size": (
+        lambda c: (c / MANIFEST).write_text(json.dumps({"algorithm": "crc32", "files": {".metadata": {"crc32": "0"}}})),
+        r"manifest\.json is damaged"),
 }
 
 

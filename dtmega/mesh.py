@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,16 @@ def init_distributed(device_type: str | None = None, timeout: timedelta = timede
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def gather_objects(value: Any, group=None) -> list:
+    """Every rank's `value` (any picklable object) on every rank of `group` (default: the
+    world), in rank order; just `[value]` without a process group or in a group of one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 @contextlib.contextmanager

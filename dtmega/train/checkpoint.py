@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dtmega.mesh import gather_objects
 from dtmega.train.checkpoint_manifest import MANIFEST, Verdict, verify_checkpoint, write_manifest
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr"), so that ranks holding
@@ -140,12 +141,6 @@ def _holds_nothing(path: Path) -> CheckpointError:
     )
 
 
-def _verify(checkpoint: Path, contents: bool, group) -> Verdict:
-    if not checkpoint.is_dir():
-        return Verdict(checkpoint, [f"{checkpoint} is missing"], "")
-    return verify_checkpoint(checkpoint, contents, group)
-
-
 def _first_problems(verdict: Verdict) -> str:
     more = len(verdict.problems) - 1
     return verdict.problems[0] + (f" (and {more} more damaged file{'s' * (more > 1)})" if more else "")
@@ -162,7 +157,7 @@ def select_checkpoint(path: str | Path, contents: bool = True, group=None) -> tu
     if not (path / LATEST).exists():
         if not any((path / name).exists() for name in (STATE, ".metadata", MANIFEST)):
             raise _holds_nothing(path)
-        verdict = _verify(path, contents, group)
+        verdict = verify_checkpoint(path, contents, group)
         if not verdict.intact:
             raise CheckpointError(
                 f"--load {path} is damaged: {_first_problems(verdict)}. An explicit checkpoint path never falls back. "
@@ -174,7 +169,7 @@ def select_checkpoint(path: str | Path, contents: bool = True, group=None) -> tu
     older = sorted((p for p in path.glob("iter_*") if p.is_dir() and p.name != latest.name), reverse=True)
     rejected: list[Verdict] = []
     for candidate in [latest, *older]:
-        verdict = _verify(candidate, contents, group)
+        verdict = verify_checkpoint(candidate, contents, group)
         if verdict.intact:
             notes = [f"CHECKPOINT {bad.checkpoint.name} IS DAMAGED: {_first_problems(bad)}; skipped" for bad in rejected]
             if rejected:
@@ -203,9 +198,7 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
     }
     current = {key: tuple(value.shape) for key, value in model_state.items()}
     if pipeline_group is not None:  # each stage holds part of the model: compare the union
-        everyone: list = [None] * dist.get_world_size(pipeline_group)
-        dist.all_gather_object(everyone, current, group=pipeline_group)
-        current = {key: shape for stage in everyone for key, shape in stage.items()}
+        current = {key: shape for stage in gather_objects(current, pipeline_group) for key, shape in stage.items()}
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     different = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dtmega.mesh import gather_objects
+
 MANIFEST = "manifest.json"
 ALGORITHM = "crc32"
 _CHUNK = 8 << 20
@@ -48,12 +50,7 @@ def _rank_world(group) -> tuple[int, int]:
 
 
 def _gather(value, group) -> list:
-    """Every rank's `value`, on every rank (just `[value]` without a process group)."""
-    if not dist.is_initialized() or group == LOCAL or dist.get_world_size(group) == 1:
-        return [value]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, value, group=group)
-    return everyone
+    return [value] if group == LOCAL else gather_objects(value, group)
 
 
 def _union(problems: list[str], group) -> list[str]:
@@ -135,6 +132,8 @@ def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Ve
     checksum. Collective over `group` (default: the world) when a process group is up: the files
     are dealt out over its ranks and every rank returns the same verdict; `group=LOCAL` checks
     everything in this process alone."""
+    if not checkpoint.is_dir():
+        return Verdict(checkpoint, [f"{checkpoint} is missing"], "")
     files = _read_manifest(checkpoint)
     if files is None:
         return _without_manifest(checkpoint)

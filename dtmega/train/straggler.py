@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from dtmega.mesh import gather_objects
 
 
 @dataclass
@@ -54,10 +54,7 @@ class StragglerLog:
         """(metrics for metrics.jsonl, one console line) of the window; resets the window."""
         mine = (window_seconds / steps, self.data_seconds / steps)
         self.data_seconds = 0.0
-        everyone = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+        everyone = gather_objects(mine)
         step = extremes([s for s, _ in everyone], self.minmax_count)
         data = extremes([d for _, d in everyone], self.minmax_count)
         metrics = {

@@ -18,19 +18,13 @@ import hashlib
 import json
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtmega.joining import DistributedTimeout, minutes_text, rank_ranges
+from dtmega.mesh import gather_objects
 from dtmega.train.args import ArgumentError
-
-
-def _gather(value: Any, group=None) -> list:
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, value, group=group)
-    return everyone
 
 
 def launch_settings(args_toml: dict, plan_toml: str) -> dict:
@@ -47,10 +41,10 @@ def check_same_arguments(settings: dict, group=None) -> None:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
-    digests = _gather(digest, group)
+    digests = gather_objects(digest, group)
     if len(set(digests)) == 1:
         return
-    everyone = _gather(settings, group)
+    everyone = gather_objects(settings, group)
     reference = _flatten(everyone[0])
     by_difference: dict[str, list[int]] = {}
     for rank, theirs in enumerate(everyone):

@@ -1,4 +1,4 @@
-"""The `dtmega` command (also `python -m dtmega`): preprocess, train, evaluate, generate."""
+"""The `dtmega` command (also `python -m dtmega`): preprocess, train, evaluate, generate, serve."""
 
 from __future__ import annotations
 
@@ -8,16 +8,20 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-USAGE = """usage: dtmega {preprocess,train,evaluate,generate} [options]
+USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve} [options]
 
   preprocess  JSONL -> Megatron .bin/.idx (tokenize, optionally train a BPE)
   train       pretrain with a parallel plan (Megatron pretrain_gpt.py flags or --config TOML)
-  evaluate    loss and perplexity of a checkpoint on a dataset
+  evaluate    loss and perplexity of a checkpoint on a dataset; --task wikitext / lambada
   generate    sample text from a checkpoint (greedy, top-k, top-p; KV cache; TP-aware)
+  serve       HTTP server: Megatron's PUT /api, OpenAI's POST /v1/completions (batched; TP-aware)
 
 `dtmega <command> --help` lists a command's options. Set DTMEGA_TRACEBACK=1 to see the
 traceback behind an error message.
 """
+
+
+SLOW_TO_START = ("evaluate", "generate", "serve")  # commands whose progress display follows the imports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": "dtmega.train.trainer",
         "evaluate": "dtmega.train.evaluate",
         "generate": "dtmega.train.generate",
+        "serve": "dtmega.serve.cli",
     }
     if command not in commands:
         print(USAGE, file=sys.stderr)
@@ -39,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    if command in SLOW_TO_START and not {"-h", "--help"} & set(rest) and os.environ.get("RANK", "0") == "0":
+        # importing torch and the passes takes seconds; say so at once (stderr: output stays pipeable)
+        Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
     module = importlib.import_module(commands[command])
     from dtmega.joining import DistributedTimeout
     try:

@@ -53,6 +53,16 @@ def gather_objects(value: Any, group=None) -> list:
     return everyone
 
 
+def broadcast_object(value: Any, group=None) -> Any:
+    """Rank 0's `value` (any picklable object; what other ranks pass is ignored) on every rank
+    of `group` (default: the world); just `value` without a process group or in a group of one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
 @contextlib.contextmanager
 def simulate_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """A fake process group of `world_size` ranks in this one process (no communication).

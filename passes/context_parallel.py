@@ -35,7 +35,7 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q, k, v, *args, scale=None, is_causal=True, attention_masks=None, q_offset=0, **kwargs):
         if attention_masks is not None:
             raise ValueError("context-parallel attention handles causal and full masks only, not attention_masks")
-        if q_offset:
+        if isinstance(q_offset, torch.Tensor) or q_offset:
             raise ValueError("context-parallel attention does not decode with a KV cache; generate without CP")
         return context_parallel_attention(q, k, v, group=self.group, method=self.method, zigzag=self.zigzag,
                                           causal=is_causal, scale=scale, stats=self.stats)

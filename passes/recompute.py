@@ -89,8 +89,8 @@ class Recompute(Pass):
 def _dtmega_core(module: nn.Module):
     forward = module.forward
 
-    def recomputed(q, k, v, q_offset: int = 0):
-        if q_offset or not torch.is_grad_enabled():  # decoding with a KV cache: nothing to recompute
+    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0):
+        if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():  # decoding with a KV cache: nothing to recompute
             return forward(q, k, v, q_offset=q_offset)
         return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 

@@ -43,6 +43,7 @@ BENCHMARK_SCALE = {
     "gpu_step.py": ["--tiny", "--runs", "plain", "dtmega+kernels"],
     "kernels.py": ["--tiny"],
     "fp8_training.py": ["--steps", "4", "--warmup", "1", "--log-interval", "1"],
+    "serve.py": ["--clients", "2", "--requests", "1", "--tokens", "2", "--load", "ckpt"],
 }
 # A real training launch that fits runs this many steps, evaluating and saving once.
 TRAIN_CAPS = ["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -167,7 +168,7 @@ def scale_command(command: str, python: str, out_dir: Path) -> str:
         if world > LOCAL_RANKS or (model is not None and model not in SMALL_MODELS):
             return shlex.join([python, *rest, "--dry-run", str(world)])
         rest = [*rest, *TRAIN_CAPS]
-    elif rest[:3] == ["-m", "dtmega", "evaluate"] and "--eval-iters" not in rest:
+    elif rest[:3] == ["-m", "dtmega", "evaluate"] and "--eval-iters" not in rest and "--task" not in rest:
         rest = [*rest, "--eval-iters", "2"]
     elif rest[:3] == ["-m", "dtmega", "generate"]:
         rest = [*rest, "--max-new-tokens", "8"]

@@ -54,3 +54,15 @@ def train_reusing_meshes(argv: list[str]):
     from tests.helpers import mesh
 
     return train(argv, mesh=mesh(**run_shape(parse_train_args(argv)[0], dist.get_world_size()).mesh_sizes()))
+
+
+def train_tiny_checkpoint(root: Path, train_iters: int = 30, context: int = 128) -> Path:
+    """A trained byte-level checkpoint of the tiny model with a `context`-token RoPE table (one
+    rank, in this process): for the commands that load one (serve, evaluate, generate)."""
+    from dtmega.train.trainer import train
+
+    data = prepare_corpus(root, documents=200)
+    save = root / "checkpoints"
+    train(tiny_args(data, train_iters=train_iters, save=str(save), save_interval=train_iters, eval_iters=0,
+                    eval_interval=train_iters, max_position_embeddings=context))
+    return save

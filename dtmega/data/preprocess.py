@@ -17,10 +17,10 @@ from typing import Iterator
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from dtmega.data.indexed import IndexedDatasetWriter, token_dtype
 from dtmega.data.tokenizers import TokenizerSpec, build_tokenizer, train_bpe
+from dtmega.progress import progress_bar
 from dtmega.writable import make_writable_dir
 
 LINES_PER_TASK = 512
@@ -179,7 +179,8 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
     spec, tokenizer_path = config.tokenizer, None
     if config.train_tokenizer:
         tokenizer_path = Path(config.output_prefix).parent / "tokenizer.json"
-        with console.status(f"training a {config.train_tokenizer}-token byte-level BPE on {config.input}"):
+        with progress_bar(f"training a {config.train_tokenizer}-token byte-level BPE on {config.input}",
+                          console=console if config.progress else Console(quiet=True)):
             train_bpe(_texts_for_training(config, []), config.train_tokenizer, tokenizer_path)
         spec = TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(tokenizer_path))
     tokenizer = build_tokenizer(spec)
@@ -189,7 +190,6 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
     skipped: list[int] = []
     documents = 0
     total_bytes = config.input.stat().st_size
-    columns = [TextColumn("[bold]tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
     pool = None
     try:
         if config.workers > 1:
@@ -198,13 +198,13 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
             )
         else:
             _init_worker(spec, config.json_keys, config.append_eod)
-        with Progress(*columns, console=console, disable=not config.progress) as progress:
-            task = progress.add_task("tokenize", total=total_bytes)
+        with progress_bar(f"tokenizing {config.input}", total=total_bytes, in_bytes=True,
+                          console=console if config.progress else Console(quiet=True)) as progress:
             for batch in _batches(read_lines(config.input), LINES_PER_TASK * config.workers):
                 tasks = [batch[i:i + LINES_PER_TASK] for i in range(0, len(batch), LINES_PER_TASK)]
                 results = pool.map(_encode_lines, tasks) if pool else [_encode_lines(t) for t in tasks]
                 for number, size, encoded in (item for result in results for item in result):
-                    progress.advance(task, size)
+                    progress.advance(size)
                     if isinstance(encoded, str):
                         if not config.skip_bad_lines:
                             raise InputError(f"{config.input}: {encoded}. Fix the line, or pass --skip-bad-lines to skip and count such lines")

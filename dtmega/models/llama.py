@@ -28,10 +28,17 @@ class CoreAttention(nn.Module):
     replace exactly the attention core.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
-        """`q_offset`: position of the first query among the keys (decoding with a KV cache)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                q_offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """`q_offset`: position of the first query among the keys (decoding with a KV cache); a
+        tensor [B] gives each row its own (a batch of sequences of different lengths, as the
+        server decodes them: row b's query i sees keys 0..q_offset[b] + i)."""
         mask, causal = None, True
-        if q_offset:
+        if isinstance(q_offset, torch.Tensor):
+            causal = False
+            query_pos = q_offset.to(q.device)[:, None] + torch.arange(q.shape[1], device=q.device)  # [B, Sq]
+            mask = (torch.arange(k.shape[1], device=q.device)[None, None, :] <= query_pos[:, :, None])[:, None]
+        elif q_offset:
             causal = False
             query_pos = torch.arange(q.shape[1], device=q.device) + q_offset
             mask = torch.arange(k.shape[1], device=q.device)[None, :] <= query_pos[:, None]

@@ -1,21 +1,25 @@
-"""`dtmega evaluate`: loss and perplexity of a checkpoint on a dataset.
+"""`dtmega evaluate`: loss and perplexity of a checkpoint on a dataset, or an evaluation task.
 
     dtmega evaluate --load runs/demo/checkpoints --data-path data/heldout_text_document
     torchrun --nproc-per-node 4 -m dtmega evaluate --load ckpt --data-path d --tensor-model-parallel-size 2
+    dtmega evaluate --load ckpt --task wikitext --valid-data wikitext-103/wiki.test.tokens --overlapping-eval 32
+    dtmega evaluate --load ckpt --task lambada --valid-data lambada_test.jsonl --strict-lambada
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch.distributed as dist
 from dtmega.printing import console
+from dtmega.progress import progress_bar
 
 from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
 from dtmega.data.indexed import IndexedDataset, read_stats
 from dtmega.train.args import ArgumentError, TrainArgs
-from dtmega.train.restore import restore
+from dtmega.train.restore import restore_with_progress
 from dtmega.train.setup import run_shape
 from dtmega.train.trainer import evaluate_loss
 
@@ -24,7 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega evaluate", description="Validation loss and perplexity of a checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
-    p.add_argument("--data-path", nargs="+", required=True, help="dataset prefix(es), optionally weighted")
+    p.add_argument("--data-path", nargs="+", help="dataset prefix(es), optionally weighted (the split evaluation)")
+    p.add_argument("--task", choices=("wikitext", "lambada"),
+                   help="an evaluation task on --valid-data instead of a dataset split (docs/evaluation.md)")
+    p.add_argument("--valid-data", help="the task's file: WikiText text (wiki.test.tokens) or LAMBADA JSONL")
+    p.add_argument("--overlapping-eval", type=int, default=32,
+                   help="wikitext: tokens between window starts; each window scores only its last this many")
+    p.add_argument("--strict-lambada", action="store_true",
+                   help="lambada: every token of the whole last word must be predicted (default: the last token)")
     p.add_argument("--split", help="which documents: the validation part of this split (default: the training run's "
                                    "split on the run's own data, so its validation loss is reproduced; all of any "
                                    "other data)")
@@ -57,11 +68,70 @@ def settings(a: argparse.Namespace, run: dict, world: int) -> tuple[str, int | N
     return split, global_batch, micro, (run.get("eval_iters") if own else None)
 
 
-def main(argv: list[str]) -> float:
-    """Prints and returns the loss."""
+def check_arguments(a: argparse.Namespace) -> None:
+    """Which evaluation, and its settings, checked before the checkpoint is read."""
+    if a.task is None:
+        if not a.data_path:
+            raise ArgumentError("give --data-path (the loss on a dataset's validation split) or --task wikitext|lambada "
+                                "with --valid-data FILE")
+        if a.valid_data or a.strict_lambada:
+            raise ArgumentError("--valid-data and --strict-lambada belong to --task. Fix: add --task wikitext|lambada")
+        return
+    if a.data_path:
+        raise ArgumentError(f"--task {a.task} evaluates --valid-data, not --data-path. Fix: drop one of them")
+    split_only = [flag for flag, value in (("--split", a.split), ("--global-batch-size", a.global_batch_size),
+                                           ("--seed", a.seed), ("--eval-iters", a.eval_iters)) if value is not None]
+    if split_only:
+        raise ArgumentError(f"{', '.join(split_only)} belong(s) to the split evaluation (--data-path); --task "
+                            f"{a.task} reads all of --valid-data. Fix: drop {', '.join(split_only)}")
+    if not a.valid_data:
+        raise ArgumentError(f"--task {a.task} needs --valid-data FILE (WikiText text, or LAMBADA JSONL)")
+    if not Path(a.valid_data).is_file():
+        raise ArgumentError(f"--valid-data {a.valid_data} is not a file. Fix: the path of a "
+                            + ("WikiText file, e.g. wikitext-103/wiki.test.tokens" if a.task == "wikitext" else
+                               "LAMBADA JSONL file (one {\"text\": ...} per line)"))
+    if a.strict_lambada and a.task != "lambada":
+        raise ArgumentError("--strict-lambada applies to --task lambada")
+    if a.overlapping_eval < 1:
+        raise ArgumentError(f"--overlapping-eval {a.overlapping_eval} must be at least 1")
+    if a.micro_batch_size < 1:
+        raise ArgumentError(f"--micro-batch-size {a.micro_batch_size} must be at least 1")
+
+
+def run_task(a: argparse.Namespace, pm, tokenizer, state: dict):
+    """`--task wikitext` or `--task lambada`: prints and returns the task's result."""
+    from dtmega.tasks.run import evaluate_lambada, evaluate_wikitext
+
+    context = int(state.get("model_config", {}).get("max_seq_len") or state["args"]["seq_length"])
+    if a.task == "wikitext":
+        seq_length = a.seq_length or state["args"]["seq_length"]
+        if seq_length > context:
+            raise ArgumentError(f"--seq-length {seq_length} exceeds the model's context of {context} tokens")
+        if a.overlapping_eval > seq_length:
+            raise ArgumentError(f"--overlapping-eval {a.overlapping_eval} exceeds --seq-length {seq_length}. "
+                                f"Fix: --overlapping-eval {seq_length} or less")
+        result = evaluate_wikitext(pm, tokenizer, a.valid_data, seq_length=seq_length,
+                                   overlapping_eval=a.overlapping_eval, micro_batch=a.micro_batch_size)
+        console().print(f"wikitext {a.valid_data}: {result.tokens} tokens, {result.words} words, {result.windows} "
+                        f"windows of {seq_length} (overlapping eval {a.overlapping_eval}): loss {result.loss:.4f}, "
+                        f"perplexity {result.perplexity:.3f}, adjusted perplexity {result.adjusted_perplexity:.3f}",
+                        highlight=False)
+        return result
+    result = evaluate_lambada(pm, tokenizer, a.valid_data, strict=a.strict_lambada, context=context,
+                              micro_batch=a.micro_batch_size)
+    console().print(f"lambada {a.valid_data}{' (strict)' if result.strict else ''}: {result.correct}/{result.total} "
+                    f"correct, accuracy {result.accuracy:.4f}", highlight=False)
+    return result
+
+
+def main(argv: list[str]):
+    """Prints and returns the loss (a task: its result)."""
     a = build_parser().parse_args(argv)
-    pm, tokenizer, state = restore(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp",
-                                   custom_import=a.custom_import)
+    check_arguments(a)
+    pm, tokenizer, state = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp",
+                                                 custom_import=a.custom_import)
+    if a.task is not None:
+        return run_task(a, pm, tokenizer, state)
     seq_length = a.seq_length or state["args"]["seq_length"]
     for _, prefix in parse_data_path(a.data_path):
         stats = read_stats(prefix)
@@ -81,7 +151,8 @@ def main(argv: list[str]) -> float:
                              {"valid": iters * shape.global_batch})["valid"]
     if dataset is None:
         raise ArgumentError(f"--split {a.split} leaves no documents to evaluate")
-    loss = evaluate_loss(pm, dataset, args, shape, tokenizer.eod)
+    with progress_bar("evaluate", total=iters, unit="batches") as bar:
+        loss = evaluate_loss(pm, dataset, args, shape, tokenizer.eod, on_batch=bar.advance)
     console().print(f"{iters * shape.global_batch} samples x {seq_length} tokens: loss {loss:.4f}, "
                     f"perplexity {math.exp(min(loss, 50.0)):.3f}")
     return loss

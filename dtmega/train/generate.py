@@ -16,7 +16,7 @@ from dtmega.data.tokenizers import Tokenizer
 from dtmega.models.kv_cache import KVCache
 from dtmega.printing import console
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
-from dtmega.train.restore import CheckpointHead, read_head, restore
+from dtmega.train.restore import CheckpointHead, read_head, restore_with_progress
 
 
 @dataclass
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> str:
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
     check_request(read_head(a.load, tuple(a.custom_import), contents=False), a.prompt, a.max_new_tokens)
-    pm, tokenizer, _ = restore(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
+    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
     if pm.program.facts.family != "dtmega-llama":
         raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")

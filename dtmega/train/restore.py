@@ -6,7 +6,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -60,12 +60,20 @@ def read_head(load: str | Path, custom_import: tuple = (), contents: bool = True
     return CheckpointHead(checkpoint, state, spec, config, tokenizer)
 
 
+RESTORE_PHASES = 3
+
+
 def restore(
-    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = ()
+    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = (),
+    on_phase: Callable[[str], None] | None = None,
 ) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
     """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
     tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
-    sub-mesh of a larger job); `custom_import` names modules that register the model."""
+    sub-mesh of a larger job); `custom_import` names modules that register the model;
+    `on_phase(name)` is told each of the RESTORE_PHASES phases as it starts (a progress bar's
+    `phase`)."""
+    on_phase = on_phase or (lambda name: None)
+    on_phase("checking the checkpoint's files")
     if mesh is None:
         device_type = default_device_type()
         if data_parallel == "ddp":
@@ -75,6 +83,7 @@ def restore(
     whole_world = dist.is_initialized() and mesh.size() == dist.get_world_size()
     head = read_head(load, custom_import, group=None if whole_world else LOCAL)  # the mesh's ranks share the work
     checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
+    on_phase("building the model")
     passes = [TensorParallel()] if tp > 1 else []
     if data_parallel:
         passes.append(DataParallel(data_parallel))
@@ -84,5 +93,15 @@ def restore(
     pm = dtmega.parallelize(model, mesh, Plan(passes))
     if spec.materialize == "meta":
         pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
+    on_phase("reading the weights")
     load_checkpoint(checkpoint, pm.module, restore_rng=False)
     return pm, tokenizer, state
+
+
+def restore_with_progress(load: str | Path, **kwargs) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
+    """`restore` under a progress display of its phases (commands that load a checkpoint: a big
+    one takes a while to check and read, and the user sees which phase it is in)."""
+    from dtmega.progress import progress_bar
+
+    with progress_bar(f"loading {load}", total=RESTORE_PHASES, unit="phases", phased=True) as bar:
+        return restore(load, on_phase=bar.phase, **kwargs)

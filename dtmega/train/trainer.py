@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -46,8 +47,10 @@ class TrainResult:
     unigram_entropy: float | None = None
 
 
-def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int) -> float:
-    """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`."""
+def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int,
+                  on_batch: Callable[[], None] | None = None) -> float:
+    """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`;
+    `on_batch()` after each (a progress bar's `advance`)."""
     loader = BatchLoader(dataset, shape.global_batch, pm.dp_rank, shape.dp, eod=eod,
                          eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
     total, tokens = 0.0, 0.0
@@ -55,6 +58,8 @@ def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod
     for _, batch in zip(range(args.eval_iters), loader):
         loss_sum, count = pm.loss_sum(batch.to(pm.mesh.device_type))
         total, tokens = total + float(loss_sum), tokens + float(count)
+        if on_batch is not None:
+            on_batch()
     pm.train()
     return total / max(tokens, 1.0)
 

@@ -78,3 +78,11 @@ def one_rank_mesh():
         dist.destroy_process_group()
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A trained tiny byte-level checkpoint (128-token context), made once per session."""
+    from tests.train_helpers import train_tiny_checkpoint
+
+    return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"))

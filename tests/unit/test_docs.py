@@ -4,6 +4,7 @@ how GPU-sized commands are scaled). A doc that stops working fails CI."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.corpus import make_texts, write_jsonl
+from tests.task_models import LAMBADA_PASSAGES, wikitext_sample
 from tests.doc_blocks import ROOT, code_blocks, commands, excerpt_missing, scale_command
 
 BLOCKS = code_blocks()
@@ -35,7 +37,8 @@ def _check(done: subprocess.CompletedProcess, what: str) -> None:
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory) -> Path:
     """A working directory like a user's: the repo's configs/examples/benchmarks, corpora in
-    JSONL, the demo corpus and a small one tokenized, and a tiny checkpoint `ckpt`."""
+    JSONL, the demo corpus and a small one tokenized, a tiny checkpoint `ckpt`, and the
+    evaluation tasks' files (wiki.test.tokens, lambada_test.jsonl)."""
     root = tmp_path_factory.mktemp("docs")
     for name in ("configs", "examples", "benchmarks"):
         (root / name).symlink_to(ROOT / name)
@@ -57,6 +60,9 @@ def sandbox(tmp_path_factory) -> Path:
     ]
     for step in steps:
         _check(_run(step, root), " ".join(step[1:5]))
+    # the evaluation tasks' files (docs/evaluation.md): a WikiText-style text and LAMBADA passages
+    (root / "wiki.test.tokens").write_text(wikitext_sample(words=400))
+    (root / "lambada_test.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in LAMBADA_PASSAGES))
     return root
 
 

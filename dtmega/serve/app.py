@@ -1,0 +1,165 @@
+"""The HTTP face of `dtmega serve` (rank 0 only): FastAPI routes over the engine.
+
+    PUT  /api              Megatron's text generation API (megatron_api.py)
+    POST /v1/completions   OpenAI's completions API (openai_api.py)
+    GET  /v1/health        liveness and load: {"status": "ok", "running": ..., "waiting": ..., "slots": ...}
+    GET  /v1/models        the served model, for OpenAI clients
+
+Every handler reads the body with a size limit, checks it completely (400 with the reason),
+then hands its sequences to the engine and waits without blocking the event loop. A client that
+disconnects, or a request past its timeout (504), has its sequences cancelled, which frees their
+slots at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dtmega.serve import megatron_api, openai_api
+from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
+from dtmega.serve.megatron_api import RequestError
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask: body bytes, and seconds before it is cancelled (504)."""
+
+    max_request_bytes: int = 1 << 20
+    request_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the routes need to know about the model: its name, tokenizer and sizes."""
+
+    name: str
+    tokenizer: object
+    context: int
+    vocab_size: int
+
+
+class _Gone(Exception):
+    """The client disconnected or the request timed out; its sequences were cancelled."""
+
+
+async def _read_json(request: Request, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body of {int(declared)} bytes exceeds the server's limit of {limit} bytes. "
+                           "Fix: fewer or shorter prompts, or start the server with a larger --max-request-bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(f"the request body exceeds the server's limit of {limit} bytes. Fix: fewer or "
+                               "shorter prompts, or start the server with a larger --max-request-bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not JSON ({error}). Fix: send a JSON object, e.g. "
+                           "-d '{\"prompts\": [\"Hello\"]}'") from None
+
+
+async def _run(engine: Engine, sequences: list[SequenceRequest], request: Request, timeout: float) -> list[SequenceResult]:
+    """Submits the sequences and waits for all; cancels them if the client leaves or time runs out."""
+    loop = asyncio.get_running_loop()
+    futures = {s.id: loop.create_future() for s in sequences}
+
+    def resolve(result: SequenceResult) -> None:
+        future = futures[result.id]
+        if not future.done():
+            future.set_result(result)
+
+    for sequence in sequences:
+        engine.submit(sequence, lambda result: loop.call_soon_threadsafe(resolve, result))
+    deadline = loop.time() + timeout
+    pending = set(futures.values())
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=POLL_S)
+        if not pending:
+            break
+        gone = await request.is_disconnected()
+        if gone or loop.time() > deadline:
+            engine.cancel(list(futures))
+            raise _Gone("the client disconnected" if gone else
+                        f"the request did not finish within the server's --request-timeout of {timeout:g} s")
+    return [futures[s.id].result() for s in sequences]
+
+
+def _failed(results: list[SequenceResult]) -> str | None:
+    errors = [r.error for r in results if r.finish_reason == "error"]
+    return errors[0] if errors else None
+
+
+def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAPI:
+    """The FastAPI application of one served model."""
+    app = FastAPI(title="dtmega serve", description=f"text generation with {model.name}")
+    ids = itertools.count()
+
+    def next_ids(count: int) -> int:
+        first = next(ids)
+        for _ in range(count - 1):
+            next(ids)
+        return first
+
+    @app.put("/api")
+    async def megatron_generate(request: Request):
+        """Megatron's text generation request (prompts, tokens_to_generate, temperature, top_k,
+        top_p, logprobs, random_seed, add_BOS, stop_token)."""
+        try:
+            body = await _read_json(request, limits.max_request_bytes)
+            parsed = megatron_api.parse_api_request(body, tokenizer=model.tokenizer, context=model.context)
+        except RequestError as error:
+            return JSONResponse({"message": str(error)}, status_code=400)
+        sequences = megatron_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids)))
+        try:
+            results = await _run(engine, sequences, request, limits.request_timeout_s)
+        except _Gone as gone:
+            return JSONResponse({"message": str(gone)}, status_code=504)
+        if (error := _failed(results)) is not None:
+            return JSONResponse({"message": f"generation failed: {error}"}, status_code=500)
+        return megatron_api.api_response(parsed, results, model.tokenizer)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """OpenAI-style completions (prompt, max_tokens, temperature, top_p, stop, logprobs,
+        echo, seed, n)."""
+        try:
+            body = await _read_json(request, limits.max_request_bytes)
+            parsed = openai_api.parse_completion_request(body, tokenizer=model.tokenizer, context=model.context,
+                                                         vocab_size=model.vocab_size, model_name=model.name)
+        except RequestError as error:
+            param = getattr(error, "param", None)
+            return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
+                                           "code": None}}, status_code=400)
+        sequences = openai_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids) * parsed.n))
+        try:
+            results = await _run(engine, sequences, request, limits.request_timeout_s)
+        except _Gone as gone:
+            return JSONResponse({"error": {"message": str(gone), "type": "timeout", "param": None, "code": None}},
+                                status_code=504)
+        if (error := _failed(results)) is not None:
+            return JSONResponse({"error": {"message": f"generation failed: {error}", "type": "server_error",
+                                           "param": None, "code": None}}, status_code=500)
+        return openai_api.completion_response(parsed, results, model.tokenizer, f"cmpl-{uuid.uuid4().hex}")
+
+    @app.get("/v1/health")
+    async def health():
+        """Liveness and load of the engine."""
+        return {"status": "ok", "model": model.name, **engine.load()}
+
+    @app.get("/v1/models")
+    async def models():
+        """The one model this server serves (OpenAI's model list)."""
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "dtmega"}]}
+
+    return app

@@ -1,0 +1,131 @@
+"""`dtmega serve`: a checkpoint behind Megatron's text generation API and OpenAI's completions.
+
+    dtmega serve --load runs/demo/checkpoints --port 5000
+    curl 'http://localhost:5000/api' -X PUT -H 'Content-Type: application/json; charset=UTF-8' \
+         -d '{"prompts":["And God said"], "tokens_to_generate":16}'
+    torchrun --nproc-per-node 2 -m dtmega serve --load ckpt --tensor-model-parallel-size 2
+
+Rank 0 answers HTTP (uvicorn in a thread); every rank runs the engine in its main thread
+(engine.py). SIGTERM or Ctrl-C on rank 0 stops accepting connections, finishes the requests in
+flight, then ends every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import threading
+
+import torch.distributed as dist
+import uvicorn
+
+from dtmega.mesh import broadcast_object, init_distributed
+from dtmega.printing import console
+from dtmega.serve.app import ServedModel, ServeLimits, build_app
+from dtmega.serve.engine import Engine
+from dtmega.train.restore import read_head, restore_with_progress
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtmega serve", description="Serve a checkpoint over HTTP (Megatron's PUT /api, "
+                                "OpenAI's POST /v1/completions, GET /v1/health).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; the server "
+                                                        "has no authentication, so mind who can reach it)")
+    p.add_argument("--port", type=int, default=5000, help="TCP port (0: any free port, printed at start-up)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (launch that many ranks)")
+    p.add_argument("--max-batch-size", type=int, default=32,
+                   help="sequences decoded together (KV cache slots; more wait for a free slot)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds a request may take before it is cancelled (HTTP 504)")
+    p.add_argument("--model-name", help="the model's name in responses (default: the checkpoint's directory name)")
+    p.add_argument("--custom-import", nargs="+", default=[], help="modules that register the checkpoint's model")
+    return p
+
+
+def check_arguments(a: argparse.Namespace) -> None:
+    """Every setting checked before the checkpoint is read or a rank joins."""
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port} is not a TCP port. Fix: a number from 1 to 65535 (0: any free port)")
+    for flag, value in (("--max-batch-size", a.max_batch_size), ("--max-request-bytes", a.max_request_bytes),
+                        ("--tensor-model-parallel-size", a.tensor_model_parallel_size)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be at least 1")
+    if not a.request_timeout > 0:
+        raise ValueError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
+
+
+def bind(host: str, port: int) -> socket.socket | str:
+    """A listening socket, or why there is none (said on every rank by the caller)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.set_inheritable(True)
+        return sock
+    except OSError as error:
+        return (f"cannot listen on {host}:{port} ({error.strerror or error}). Fix: another --port (0 picks a free "
+                "one), or stop the process that holds it")
+
+
+def main(argv: list[str]) -> None:
+    """Loads the checkpoint, listens, and serves until SIGTERM/Ctrl-C."""
+    a = build_parser().parse_args(argv)
+    check_arguments(a)
+    head = read_head(a.load, tuple(a.custom_import), contents=False)
+    if head.spec.family != "dtmega-llama":
+        raise ValueError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
+                         f"{head.spec.family} model. Fix: evaluate it with dtmega evaluate")
+    init_distributed()
+    if dist.get_world_size() != a.tensor_model_parallel_size:
+        raise ValueError(f"{dist.get_world_size()} ranks were launched for --tensor-model-parallel-size "
+                         f"{a.tensor_model_parallel_size}; the server runs one model replica. Fix: torchrun "
+                         f"--nproc-per-node {a.tensor_model_parallel_size}, or --tensor-model-parallel-size "
+                         f"{dist.get_world_size()}")
+    leader = dist.get_rank() == 0
+    sock = bind(a.host, a.port) if leader else None  # before the weights are read: a busy port fails at once
+    problem = broadcast_object(sock if isinstance(sock, str) else None)
+    if problem:
+        raise ValueError(problem)
+    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
+    pm.eval()
+    context = int(head.config.max_seq_len)
+    engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=a.max_batch_size, max_len=context,
+                    decode_text=tokenizer.decode, device=pm.mesh.device_type, leader=leader)
+    if not leader:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop, after draining
+            signal.signal(signum, signal.SIG_IGN)
+        engine.run()
+        return
+    run_dir = head.checkpoint.parent if head.checkpoint.name.startswith("iter_") else head.checkpoint
+    name = a.model_name or run_dir.name
+    app = build_app(engine, ServedModel(name, tokenizer, context, tokenizer.vocab_size),
+                    ServeLimits(a.max_request_bytes, a.request_timeout))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout))
+    host, port = sock.getsockname()[:2]
+
+    def serve_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine.stop()  # after the last request in flight: the engine finishes and every rank ends
+
+    def drain(signum, frame) -> None:
+        console().print(f"[dim]{signal.Signals(signum).name}: finishing the requests in flight, then stopping[/dim]")
+        server.should_exit = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, drain)
+    thread = threading.Thread(target=serve_http, name="dtmega-http", daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    console().print(f"serving {name} ({context}-token context, {a.max_batch_size} sequences at a time) on {url}: "
+                    f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False)
+    engine.run()
+    thread.join()
+    console().print(f"stopped: {engine.generated} tokens generated in {engine.forwards} forwards", highlight=False)

@@ -1,0 +1,166 @@
+"""OpenAI's completions API (`POST /v1/completions`), as OpenAI clients and lm-eval-harness's
+`local-completions` model send it, over dtmega's engine.
+
+Fields: `prompt` (a string, a list of strings, a list of token ids or a list of such lists),
+`max_tokens` (16), `temperature` (1.0; 0 is greedy), `top_p` (1.0), `stop` (a string or up to
+4), `logprobs` (null or 0-20 most likely tokens per position), `echo`, `seed`, `n` (completions
+per prompt). `stream`, `best_of` > 1, penalties, `logit_bias` and `suffix` are refused by name.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
+from dtmega.serve.megatron_api import MAX_PROMPTS, RequestError, _is_int, _is_number, check_context
+
+MAX_LOGPROBS = 20
+UNSUPPORTED = {"stream": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+               "suffix": None}
+
+
+class CompletionError(RequestError):
+    """A 400 in OpenAI's error shape, naming the offending field (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class CompletionRequest:
+    """A checked completions request: prompts as token ids, `n` sequences for each."""
+
+    prompt_ids: list[list[int]]
+    sampling: Sampling
+    n: int
+    echo: bool
+    logprobs: int | None
+    model: str
+
+
+def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise CompletionError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                          "token ids", "prompt")
+
+
+def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: int, model_name: str) -> CompletionRequest:
+    """Checks a completions body; raises `CompletionError` naming the field and the fix."""
+    if not isinstance(body, dict):
+        raise CompletionError("the request body must be a JSON object, e.g. {\"prompt\": \"Hello\"}")
+    for name, default in UNSUPPORTED.items():
+        if name in body and body[name] not in (default, None):
+            raise CompletionError(f"{name}={body[name]!r} is not supported by dtmega serve. Fix: leave {name} out", name)
+    if "prompt" not in body:
+        raise CompletionError("prompt is required", "prompt")
+    prompt_ids = _prompts(body["prompt"], tokenizer)
+    n = body.get("n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_PROMPTS:
+        raise CompletionError(f"n must be an integer from 1 to {MAX_PROMPTS}", "n")
+    if len(prompt_ids) * n > MAX_PROMPTS:
+        raise CompletionError(f"{len(prompt_ids)} prompts x n={n} = {len(prompt_ids) * n} completions; the most per "
+                              f"request is {MAX_PROMPTS}. Fix: fewer prompts or a smaller n", "n")
+    max_tokens = body.get("max_tokens", 16)
+    if max_tokens is None:
+        max_tokens = max(1, context - max(len(p) for p in prompt_ids))
+    if not _is_int(max_tokens) or max_tokens < 0:
+        raise CompletionError("max_tokens must be an integer >= 0", "max_tokens")
+    temperature = body.get("temperature", 1.0)
+    if not _is_number(temperature) or not 0.0 <= temperature <= 100.0:
+        raise CompletionError("temperature must be a number from 0 (greedy) to 100", "temperature")
+    top_p = body.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise CompletionError("top_p must be a number in (0, 1]", "top_p")
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise CompletionError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise CompletionError(f"logprobs must be null or an integer from 0 to {MAX_LOGPROBS}", "logprobs")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise CompletionError("echo must be true or false", "echo")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise CompletionError("seed must be an integer >= 0", "seed")
+    if max_tokens == 0 and not echo:
+        raise CompletionError("max_tokens 0 returns nothing unless echo is true", "max_tokens")
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise CompletionError(f"prompt {i} is empty after tokenization. Fix: give some text", "prompt")
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise CompletionError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab_size})", "prompt")
+        try:
+            check_context(len(ids), max_tokens, context, what=f"prompt {i}" if len(prompt_ids) > 1 else "the prompt",
+                          budget="max_tokens")
+        except RequestError as error:
+            raise CompletionError(str(error), "max_tokens") from None
+    sampling = Sampling(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                        seed=secrets.randbits(62) if seed is None else seed, stop_token=tokenizer.eod,
+                        stop_strings=tuple(stops), prompt_logprobs=echo and logprobs is not None,
+                        top_logprobs=logprobs or 0)
+    model = body.get("model") or model_name
+    return CompletionRequest(prompt_ids, sampling, n, echo, logprobs, str(model))
+
+
+def sequence_requests(request: CompletionRequest, first_id: int) -> list[SequenceRequest]:
+    """n sequences per prompt, prompt-major (choice index = prompt * n + j), each its own seed."""
+    out = []
+    for i, ids in enumerate(request.prompt_ids):
+        for j in range(request.n):
+            index = i * request.n + j
+            sampling = Sampling(**{**request.sampling.__dict__, "seed": request.sampling.seed + index})
+            out.append(SequenceRequest(first_id + index, ids, sampling))
+    return out
+
+
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    cuts = [text.index(s) for s in stops if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+def completion_response(request: CompletionRequest, results: list[SequenceResult], tokenizer, request_id: str) -> dict:
+    """OpenAI's `text_completion` object: one choice per sequence, with legacy-format logprobs
+    (tokens, token_logprobs, top_logprobs, text_offset) when asked, and token usage."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for index, result in enumerate(results):
+        prompt_text = tokenizer.decode(result.prompt_ids)
+        completion = _cut_at_stop(tokenizer.decode(result.ids), request.sampling.stop_strings)
+        choice = {"index": index, "text": (prompt_text if request.echo else "") + completion, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        if request.logprobs is not None:
+            ids, values, tops = list(result.ids), list(result.logprobs), list(result.top_logprobs)
+            if request.echo:
+                ids = result.prompt_ids + ids
+                values = [None] + (result.prompt_logprobs or []) + values
+                tops = [None] + (result.prompt_top_logprobs or [{}] * (len(result.prompt_ids) - 1)) + tops
+            pieces = [tokenizer.decode([t]) for t in ids]
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            choice["logprobs"] = {
+                "tokens": pieces, "token_logprobs": values,
+                "top_logprobs": [None if top is None else {tokenizer.decode([t]): v for t, v in top.items()}
+                                 for top in tops] if request.logprobs else None,
+                "text_offset": offsets}
+        choices.append(choice)
+        completion_tokens += len(result.ids)
+        if index % request.n == 0:
+            prompt_tokens += len(result.prompt_ids)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": request.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}

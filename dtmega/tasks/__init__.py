@@ -1,0 +1,1 @@
+"""Evaluation tasks of `dtmega evaluate --task`: WikiText-style perplexity and LAMBADA accuracy."""

@@ -1,0 +1,152 @@
+"""The server's engine against the plain model: the slot KV cache reproduces full forwards for
+rows of different lengths, and batched decoding chooses what one-at-a-time decoding chooses.
+
+Random models with init_std 0.3 (not 0.02) so their logits are decisive; choices are compared
+with the margin rule of tests/helpers.py (fp32 logits of different batch shapes differ by
+~1e-6 relative, so only a near tie may part two runs)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dtmega.models import Llama, LlamaConfig
+from dtmega.models.slot_cache import SlotKVCache
+from dtmega.serve.engine import Engine, Sampling, SequenceRequest, wait_all
+from dtmega.train.generate import generate_tokens
+from tests.helpers import NEAR_TIE
+
+VOCAB = 96
+
+
+def small_llama(seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=128, max_seq_len=64,
+                         init_std=0.3, rope_theta=10000.0, rope_scaling=None)
+    model = Llama(config)
+    model.init_weights(seed=seed)
+    return model.eval()
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def test_slot_cache_rows_of_different_lengths_match_full_forwards():
+    model = small_llama()
+    cache = SlotKVCache(slots=4, max_len=64)
+    rows = {3: prompts([5])[0], 1: prompts([11], seed=2)[0]}  # slot -> tokens so far
+    for slot, tokens in rows.items():  # prefill each alone, into its slot
+        cache.select([slot], len(tokens))
+        model(torch.tensor([tokens]), position_ids=cache.positions(len(tokens)), cache=cache)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(6):  # then decode both together, each row at its own length
+        new = torch.randint(0, VOCAB, (2, 1), generator=generator)
+        cache.select(list(rows), 1)
+        logits = model(new, position_ids=cache.positions(1), cache=cache)[:, -1]
+        for i, slot in enumerate(rows):
+            rows[slot] = rows[slot] + [int(new[i])]
+            reference = model(torch.tensor([rows[slot]]))[0, -1]
+            torch.testing.assert_close(logits[i], reference, rtol=1e-5, atol=1e-5)  # fp32, other reduction shapes
+    assert cache.lengths.tolist() == [0, 17, 0, 11]
+    cache.free(1)
+    with pytest.raises(ValueError, match="hold 64 positions; 65 were asked for"):
+        cache.select([3], 54)
+
+
+def run_engine(model: Llama, slots: int = 8) -> tuple[Engine, threading.Thread]:
+    engine = Engine(model, vocab_size=VOCAB, slots=slots, max_len=64, decode_text=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    return engine, thread
+
+
+def stop(engine: Engine, thread: threading.Thread) -> None:
+    engine.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def assert_same_tokens(batched, alone) -> None:
+    """Same tokens, unless they part at a near tie of the one-at-a-time run."""
+    for step, (x, y) in enumerate(zip(batched.ids + [None], alone.ids + [None])):
+        if x != y:
+            assert alone.margins[step] < NEAR_TIE, f"parted at token {step} ({x} vs {y}), margin {alone.margins[step]:.2e}"
+            return
+
+
+def test_batched_requests_choose_what_one_at_a_time_decoding_chooses():
+    model = small_llama()
+    engine, thread = run_engine(model)
+    try:
+        ids = prompts([3, 9, 5, 14, 1])
+        settings = [Sampling(max_new_tokens=12, temperature=0.0),
+                    Sampling(max_new_tokens=12, temperature=0.9, top_k=20, seed=7),
+                    Sampling(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=8),
+                    Sampling(max_new_tokens=7, temperature=0.0),
+                    Sampling(max_new_tokens=12, temperature=1.3, seed=9)]
+        results = wait_all(engine, [SequenceRequest(i, p, s) for i, (p, s) in enumerate(zip(ids, settings))], timeout=60)
+        assert engine.forwards < sum(len(r.ids) for r in results)  # decoded together
+        for prompt, sampling, result in zip(ids, settings, results):
+            alone = generate_tokens(model, prompt, vocab_size=VOCAB, eod=None, max_new_tokens=sampling.max_new_tokens,
+                                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                    seed=sampling.seed)
+            assert_same_tokens(result, alone)
+            assert result.finish_reason == "length" and len(result.ids) == sampling.max_new_tokens
+            # logprobs: the model's log-softmax at the chosen tokens, from a full forward
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + result.ids]))[0, len(prompt) - 1:-1]
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(result.ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(result.logprobs), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        stop(engine, thread)
+
+
+def test_prompt_logprobs_top_logprobs_and_zero_new_tokens():
+    model = small_llama()
+    engine, thread = run_engine(model)
+    try:
+        prompt = prompts([10])[0]
+        result, = wait_all(engine, [SequenceRequest(0, prompt, Sampling(max_new_tokens=0, prompt_logprobs=True,
+                                                                         top_logprobs=3))], timeout=30)
+        with torch.no_grad():
+            log_probs = model(torch.tensor([prompt]))[0, :-1].log_softmax(-1)
+        expected = log_probs.gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(result.prompt_logprobs), expected, rtol=1e-4, atol=1e-4)
+        assert result.ids == [] and result.finish_reason == "length"
+        first_top = result.prompt_top_logprobs[0]
+        assert list(first_top) == log_probs[0].topk(3).indices.tolist()
+    finally:
+        stop(engine, thread)
+
+
+def test_stop_token_stop_strings_queueing_and_cancellation_free_their_slots():
+    model = small_llama()
+    engine, thread = run_engine(model, slots=2)
+    try:
+        prompt = prompts([4])[0]
+        greedy, = wait_all(engine, [SequenceRequest(0, prompt, Sampling(max_new_tokens=10, temperature=0.0))])
+        stop_at = greedy.ids[3]
+        cut = greedy.ids.index(stop_at)
+        by_token, = wait_all(engine, [SequenceRequest(1, prompt, Sampling(max_new_tokens=10, temperature=0.0,
+                                                                           stop_token=stop_at))])
+        assert by_token.ids == greedy.ids[:cut] and by_token.finish_reason == "stop"
+        text = "".join(chr(65 + i % 26) for i in greedy.ids)
+        by_string, = wait_all(engine, [SequenceRequest(2, prompt, Sampling(max_new_tokens=10, temperature=0.0,
+                                                                            stop_strings=(text[4:6],)))])
+        assert by_string.finish_reason == "stop" and len(by_string.ids) <= 6
+        # five sequences on two slots: they wait their turn, and all finish
+        many = wait_all(engine, [SequenceRequest(10 + i, p, Sampling(max_new_tokens=5, temperature=0.0))
+                                 for i, p in enumerate(prompts([2, 3, 4, 5, 6]))], timeout=60)
+        assert [len(r.ids) for r in many] == [5] * 5
+        # a long sequence cancelled mid-way ends "cancelled" and gives its slot back
+        cancelled = wait_all(engine, [SequenceRequest(20, prompt, Sampling(max_new_tokens=59, temperature=0.0))],
+                             timeout=0.05)[0]
+        assert cancelled.finish_reason in ("cancelled", "length")
+        assert engine.load()["running"] == 0 and sorted(engine._free_slots) == [0, 1]
+    finally:
+        stop(engine, thread)

@@ -49,7 +49,7 @@ train: $(DEMO)/data/kjv_text_document.idx
 # (tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
 # unfinished tests rerun once; docs/testing.md).
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=15
 	$(PY) tests/distributed_session.py
 
 # The distributed session under every CPU kernel level torch can use here (default, avx2, and

@@ -109,9 +109,13 @@ def main(argv: list[str]) -> None:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout))
     host, port = sock.getsockname()[:2]
 
+    failures: list[BaseException] = []
+
     def serve_http() -> None:
         try:
             server.run(sockets=[sock])
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread, after every rank stopped
+            failures.append(error)
         finally:
             engine.stop()  # after the last request in flight: the engine finishes and every rank ends
 
@@ -128,4 +132,8 @@ def main(argv: list[str]) -> None:
                     f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False)
     engine.run()
     thread.join()
+    if failures:
+        raise RuntimeError(f"the HTTP server failed: {failures[0]!r}") from failures[0]
+    if not server.started:
+        raise RuntimeError("the HTTP server stopped before it started (uvicorn's log above says why)")
     console().print(f"stopped: {engine.generated} tokens generated in {engine.forwards} forwards", highlight=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.models.kv_cache import KVCache
 from dtmega.printing import console
+from dtmega.progress import progress_bar
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
 from dtmega.train.restore import CheckpointHead, read_head, restore_with_progress
 
@@ -32,9 +34,10 @@ class Generation:
 @torch.no_grad()
 def generate_tokens(model: torch.nn.Module, prompt_ids: list[int], *, vocab_size: int, eod: int | None,
                     max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95,
-                    seed: int = 0) -> Generation:
+                    seed: int = 0, on_token: Callable[[], None] | None = None) -> Generation:
     """Continues `prompt_ids` with a KV cache; stops at `eod` or after `max_new_tokens`.
-    Identical on every rank of a TP group (same seed, same gathered logits)."""
+    Identical on every rank of a TP group (same seed, same gathered logits). `on_token()` after
+    each chosen token (a progress bar's `advance`)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; give some text")
     device = next(model.buffers()).device
@@ -50,6 +53,8 @@ def generate_tokens(model: torch.nn.Module, prompt_ids: list[int], *, vocab_size
         choice = choose_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         next_id = int(choice.ids)
         result.margins.append(float(choice.margins))
+        if on_token is not None:
+            on_token()
         if next_id == eod:
             break
         result.ids.append(next_id)
@@ -58,11 +63,12 @@ def generate_tokens(model: torch.nn.Module, prompt_ids: list[int], *, vocab_size
 
 
 def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: int = 64,
-             temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95, seed: int = 0) -> str:
+             temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95, seed: int = 0,
+             on_token: Callable[[], None] | None = None) -> str:
     """Continues `prompt` (text in, text out); see `generate_tokens`."""
     produced = generate_tokens(model, tokenizer.encode(prompt), vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               seed=seed)
+                               seed=seed, on_token=on_token)
     return tokenizer.decode(produced.ids)
 
 
@@ -111,7 +117,9 @@ def main(argv: list[str]) -> str:
         raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
     pm.eval()
-    text = generate(pm.module, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
-                    temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    with progress_bar("generate", total=a.max_new_tokens, unit="tokens") as bar:
+        text = generate(pm.module, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
+                        temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                        on_token=bar.advance)
     console().print(f"[bold]{a.prompt}[/bold]{text}", highlight=False)
     return text

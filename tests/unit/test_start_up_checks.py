@@ -135,7 +135,7 @@ def test_generate_beyond_the_context_is_refused_before_loading(checkpoint, monke
     """Before: a shape error past the context, or an attempt at a 25.6 GB KV cache."""
     from dtmega.train import generate
 
-    monkeypatch.setattr(generate, "restore", lambda *a, **k: pytest.fail("loaded the weights before checking"))
+    monkeypatch.setattr(generate, "restore_with_progress", lambda *a, **k: pytest.fail("loaded the weights before checking"))
     context = read_head(checkpoint).config.max_seq_len
     with pytest.raises(ValueError, match=rf"the prompt \(\d+ tokens\) \+ --max-new-tokens 100000000 = \d+ tokens "
                                          rf"exceeds the model's context of {context} tokens.*Fix: --max-new-tokens \d+"):

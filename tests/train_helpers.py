@@ -56,7 +56,7 @@ def train_reusing_meshes(argv: list[str]):
     return train(argv, mesh=mesh(**run_shape(parse_train_args(argv)[0], dist.get_world_size()).mesh_sizes()))
 
 
-def train_tiny_checkpoint(root: Path, train_iters: int = 30, context: int = 128) -> Path:
+def train_tiny_checkpoint(root: Path, train_iters: int = 20, context: int = 128) -> Path:
     """A trained byte-level checkpoint of the tiny model with a `context`-token RoPE table (one
     rank, in this process): for the commands that load one (serve, evaluate, generate)."""
     from dtmega.train.trainer import train

@@ -63,16 +63,16 @@ def test_on_a_terminal_a_bar_with_eta():
     assert "━" in out.getvalue() and "ETA" in out.getvalue() and "3/3" in out.getvalue()
 
 
-def _evaluate_command(checkpoint: Path) -> list[str]:
+def _evaluate_command(checkpoint: Path, batches: int) -> list[str]:
     data = checkpoint.parent / "data" / "corpus_text_document"
     return [sys.executable, "-m", "dtmega", "evaluate", "--load", str(checkpoint), "--data-path", str(data),
-            "--split", "0,1,0", "--seq-length", "32", "--micro-batch-size", "1"]
+            "--split", "0,1,0", "--seq-length", "32", "--micro-batch-size", "1", "--eval-iters", str(batches)]
 
 
 def test_evaluate_shows_progress_from_the_start_without_a_terminal(tiny_checkpoint):
-    env = dict(os.environ, DTMEGA_PROGRESS_SECONDS="0.2", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, DTMEGA_PROGRESS_SECONDS="0.05", PYTHONUNBUFFERED="1")
     started = time.monotonic()
-    process = subprocess.Popen(_evaluate_command(tiny_checkpoint), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen(_evaluate_command(tiny_checkpoint, 300), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     seen = [(time.monotonic() - started, line) for line in process.stderr]
     out = process.stdout.read()
@@ -88,7 +88,7 @@ def test_evaluate_shows_progress_from_the_start_without_a_terminal(tiny_checkpoi
 
 def test_evaluate_shows_a_bar_on_a_terminal(tiny_checkpoint):
     leader, follower = pty.openpty()
-    process = subprocess.Popen(_evaluate_command(tiny_checkpoint), cwd=ROOT, stdout=follower, stderr=follower,
+    process = subprocess.Popen(_evaluate_command(tiny_checkpoint, 20), cwd=ROOT, stdout=follower, stderr=follower,
                                env=dict(os.environ, COLUMNS="120"))
     os.close(follower)
     output = b""

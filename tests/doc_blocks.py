@@ -15,6 +15,9 @@ tiny checkpoint (`ckpt`), scaled where they name GPUs or big models (`scale_comm
 a `dtmega train` launch for more ranks than this machine has, or for a preset bigger than the
 debug models, is checked with `--dry-run WORLD` (the whole plan for WORLD ranks, on the meta
 device); launches that fit run for real for a few steps; benchmarks run their smallest sweep.
+Consecutive one-process `dtmega` commands of a block (preprocess, dry runs, evaluate, generate)
+run in one interpreter through the console script's entry point (tests/dtmega_commands.py):
+each new Python start costs ~3 s of imports, and the docs hold dozens of such lines.
 """
 
 from __future__ import annotations
@@ -185,3 +188,13 @@ def scale_command(command: str, python: str, out_dir: Path) -> str:
     if world == 1 and rest[:1] != ["-m"]:
         launch = [python, *rest]
     return shlex.join(launch)
+
+
+def one_process_dtmega_argv(scaled: str, python: str) -> list[str] | None:
+    """The dtmega arguments of a scaled command that runs `python -m dtmega ...` as one process
+    (not a torchrun launch): the suite runs consecutive ones in one interpreter
+    (tests/dtmega_commands.py, through the console script's entry point), else None."""
+    tokens = shlex.split(scaled)
+    if tokens[:3] == [python, "-m", "dtmega"] and len(tokens) > 3:
+        return tokens[3:]
+    return None

@@ -14,7 +14,7 @@ import pytest
 
 from tests.corpus import make_texts, write_jsonl
 from tests.task_models import LAMBADA_PASSAGES, wikitext_sample
-from tests.doc_blocks import ROOT, code_blocks, commands, excerpt_missing, scale_command
+from tests.doc_blocks import ROOT, code_blocks, commands, excerpt_missing, one_process_dtmega_argv, scale_command
 
 BLOCKS = code_blocks()
 RUN = [b for b in BLOCKS if b.action in ("run", "excerpt")]
@@ -90,9 +90,23 @@ def test_doc_block(block, sandbox):
         _check(_run(launch, sandbox), block.name)
     elif block.language in ("bash", "sh"):
         out = sandbox / "benchmark-results"
+        batch: list[list[str]] = []  # consecutive one-process dtmega commands share a process
+
+        def flush() -> None:
+            if batch:
+                _check(_run([PYTHON, str(ROOT / "tests" / "dtmega_commands.py"), json.dumps(batch)], sandbox),
+                       f"{block.name}: {batch}")
+                batch.clear()
+
         for command in commands(block.code):
             scaled = scale_command(command, PYTHON, out)
+            argv = one_process_dtmega_argv(scaled, PYTHON)
+            if argv is not None:
+                batch.append(argv)
+                continue
+            flush()
             _check(_run(f"head=localhost; SLURM_JOB_ID=1; {scaled}", sandbox), f"{block.name}: {scaled}")
+        flush()
     elif block.language == "toml":
         from dtmega.passes.toml_io import load_toml
 

@@ -47,7 +47,9 @@ def test_the_seeds_curl_command_works(server):
                            '{"prompts":["Hello world"], "tokens_to_generate":1}'],
                           capture_output=True, text=True, timeout=60, check=True)
     body = json.loads(done.stdout)
-    assert body["text"][0].startswith("Hello world") and len(body["tokens"][0]) == len("Hello world") + 1
+    # one token is sampled (temperature 1): it may be the end of document, which ends the sequence unshown
+    assert body["text"][0].startswith("Hello world") and body["tokens"][0][:11] == list(b"Hello world")
+    assert len(body["tokens"][0]) in (11, 12) and len(body["segments"][0]) == len(body["tokens"][0])
     assert body["segments"][0][:5] == list("Hello") and body["logprobs"] is None
 
 
@@ -107,7 +109,7 @@ def test_bad_requests_get_400_with_megatrons_message_and_the_server_still_answer
     status, answer = server.api(body)
     assert status == 400 and message in answer["message"], answer
     assert server.health()["status"] == "ok"
-    status, answer = server.api({"prompts": ["ok"], "tokens_to_generate": 2})
+    status, answer = server.api({"prompts": ["ok"], "tokens_to_generate": 2, "stop_token": -1})
     assert status == 200 and len(answer["tokens"][0]) == 4
 
 

@@ -14,7 +14,6 @@ slots at the engine's next step.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import uuid
 from dataclasses import dataclass
@@ -103,12 +102,12 @@ def _failed(results: list[SequenceResult]) -> str | None:
 def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAPI:
     """The FastAPI application of one served model."""
     app = FastAPI(title="dtmega serve", description=f"text generation with {model.name}")
-    ids = itertools.count()
+    issued = [0]  # sequence ids handed out (the handlers all run on the event loop's one thread)
 
     def next_ids(count: int) -> int:
-        first = next(ids)
-        for _ in range(count - 1):
-            next(ids)
+        """The first of `count` fresh sequence ids."""
+        first = issued[0]
+        issued[0] += count
         return first
 
     @app.put("/api")

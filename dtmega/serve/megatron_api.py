@@ -12,7 +12,7 @@ part of the response (lm-eval-harness's Megatron client reads the response that 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
@@ -130,13 +130,8 @@ def check_context(prompt_tokens: int, new_tokens: int, context: int, *, what: st
 def sequence_requests(request: ApiRequest, first_id: int) -> list[SequenceRequest]:
     """One engine sequence per prompt; prompt i draws from seed + i (the same request with the
     same random_seed gives the same texts)."""
-    out = []
-    for i, ids in enumerate(request.prompt_ids):
-        sampling = request.sampling
-        if i:
-            sampling = Sampling(**{**sampling.__dict__, "seed": sampling.seed + i})
-        out.append(SequenceRequest(first_id + i, ids, sampling))
-    return out
+    return [SequenceRequest(first_id + i, ids, replace(request.sampling, seed=request.sampling.seed + i))
+            for i, ids in enumerate(request.prompt_ids)]
 
 
 def api_response(request: ApiRequest, results: list[SequenceResult], tokenizer) -> dict:

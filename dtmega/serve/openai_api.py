@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
@@ -117,13 +117,9 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
 
 def sequence_requests(request: CompletionRequest, first_id: int) -> list[SequenceRequest]:
     """n sequences per prompt, prompt-major (choice index = prompt * n + j), each its own seed."""
-    out = []
-    for i, ids in enumerate(request.prompt_ids):
-        for j in range(request.n):
-            index = i * request.n + j
-            sampling = Sampling(**{**request.sampling.__dict__, "seed": request.sampling.seed + index})
-            out.append(SequenceRequest(first_id + index, ids, sampling))
-    return out
+    prompts = [ids for ids in request.prompt_ids for _ in range(request.n)]
+    return [SequenceRequest(first_id + index, ids, replace(request.sampling, seed=request.sampling.seed + index))
+            for index, ids in enumerate(prompts)]
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -52,11 +53,29 @@ def run_measured(command: list[str], **kwargs) -> tuple[subprocess.CompletedProc
     return subprocess.CompletedProcess(command, process.returncode, out, err), seconds, peak[0]
 
 
+def run_worker(worker, *args) -> None:
+    """Runs `worker(*args)` as one rank of a `run_on_ranks` job and ends the process.
+
+    The ranks meet at a barrier, the process group is destroyed, and the process leaves with
+    `os._exit(0)`: interpreter finalization is skipped because a gloo rank that finished could
+    still abort there ("terminate called without an active exception", SIGABRT: rare, but it
+    failed a CI run of benchmarks/moe.py), failing a benchmark whose results were already
+    written. Nothing is lost: the worker's JSON is written and stdio flushed first."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    worker(*args)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_on_ranks(script: str, ranks: int, out: Path, *args: str) -> list:
     """Runs `script --worker-out OUT ARGS` as a torchrun job of `ranks` CPU ranks and returns
     the JSON rows its rank 0 wrote to OUT."""
     import json
-    import sys
 
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), script,
                "--worker-out", str(out), *args]

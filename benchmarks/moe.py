@@ -29,7 +29,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, run_on_ranks, saved_activation_bytes, timed_steps  # noqa: E402
+from benchmarks.common import machine, run_on_ranks, run_worker, saved_activation_bytes, timed_steps  # noqa: E402
 from dtmega.passes.expert_parallel import ExpertDispatch  # noqa: E402
 from dtmega.printing import console  # noqa: E402
 
@@ -114,10 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_out:
-        dist.init_process_group("gloo")
-        worker(args.seq, args.batch, args.dispatchers, args.steps, args.worker_out)
-        dist.destroy_process_group()
-        return {}
+        run_worker(worker, args.seq, args.batch, args.dispatchers, args.steps, args.worker_out)
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ep in args.ep:

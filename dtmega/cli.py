@@ -1,4 +1,4 @@
-"""The `dtmega` command (also `python -m dtmega`): preprocess, train, evaluate, generate, serve."""
+"""The `dtmega` command (also `python -m dtmega`): preprocess, train, evaluate, generate, serve, convert."""
 
 from __future__ import annotations
 
@@ -8,20 +8,21 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve} [options]
+USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve,convert} [options]
 
   preprocess  JSONL -> Megatron .bin/.idx (tokenize, optionally train a BPE)
   train       pretrain with a parallel plan (Megatron pretrain_gpt.py flags or --config TOML)
   evaluate    loss and perplexity of a checkpoint on a dataset; --task wikitext / lambada
   generate    sample text from a checkpoint (greedy, top-k, top-p; KV cache; TP-aware)
   serve       HTTP server: Megatron's PUT /api, OpenAI's POST /v1/completions (batched; TP-aware)
+  convert     checkpoints in and out: hf-to-dtmega, dtmega-to-hf, megatron-to-dtmega
 
 `dtmega <command> --help` lists a command's options. Set DTMEGA_TRACEBACK=1 to see the
 traceback behind an error message.
 """
 
 
-SLOW_TO_START = ("evaluate", "generate", "serve")  # commands whose progress display follows the imports
+SLOW_TO_START = ("evaluate", "generate", "serve", "convert")  # commands whose progress display follows the imports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "evaluate": "dtmega.train.evaluate",
         "generate": "dtmega.train.generate",
         "serve": "dtmega.serve.cli",
+        "convert": "dtmega.interop.convert_cli",
     }
     if command not in commands:
         print(USAGE, file=sys.stderr)

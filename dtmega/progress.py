@@ -94,6 +94,12 @@ class ProgressBar:
         self.console.print(text, highlight=False, soft_wrap=True)
         self.last_line = time.monotonic()
 
+    def set_total(self, total: float) -> None:
+        """The amount of work, once it is known (e.g. the number of shards a conversion writes)."""
+        self.total = total
+        if self._rich is not None:
+            self._rich.update(self._task, total=total, amount=self._amount())
+
     def advance(self, amount: float = 1) -> None:
         """Marks `amount` more units done (a line is printed if the interval has passed)."""
         self.done += amount

@@ -6,6 +6,7 @@ tokenizer, or is trained on the input).
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,6 +82,40 @@ class HuggingFaceTokenizer:
         return self.model.to_str()
 
 
+class SentencePieceTokenizer:
+    """A SentencePiece `tokenizer.model` (Llama 2, Mistral, Megatron's GPTSentencePieceTokenizer
+    models), encoded by the sentencepiece library itself so ids match the model's training."""
+
+    def __init__(self, proto: bytes, eod_token: str | None = None):
+        import sentencepiece
+
+        self.proto = proto
+        self.model = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        self.vocab_size = self.model.get_piece_size()
+        if eod_token is not None:
+            eod = self.model.piece_to_id(eod_token)
+            if self.model.id_to_piece(eod) != eod_token:
+                raise ValueError(f"the SentencePiece model has no token {eod_token!r}. Fix: pass --eod-token with a "
+                                 "token it has")
+        else:
+            eod = self.model.eos_id()
+            if eod < 0:
+                raise ValueError("the SentencePiece model has no end-of-sentence token. Fix: pass --eod-token with a "
+                                 "token it has")
+        self.eod = eod
+        self.eod_token = self.model.id_to_piece(eod)
+
+    def encode(self, text: str) -> list[int]:
+        return self.model.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.decode([int(i) for i in ids])
+
+    def to_json(self) -> str:
+        return json.dumps({"dtmega_tokenizer": "sentencepiece", "eod_token": self.eod_token,
+                           "model": base64.b64encode(self.proto).decode("ascii")})
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """Where a tokenizer comes from; picklable, so worker processes can rebuild it."""
@@ -108,8 +143,9 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     if spec.tokenizer_type == "byte":
         return ByteTokenizer()
     if spec.tokenizer_type == "HuggingFaceTokenizer":
-        path = _require_file(spec.tokenizer_model, "--tokenizer-model (a tokenizers JSON file)", spec.tokenizer_type)
-        return tokenizer_from_json(path.read_text(), spec.eod_token)
+        path = _require_file(spec.tokenizer_model, "--tokenizer-model (tokenizer.json, tokenizer.model or a "
+                             "Hugging Face tokenizer directory)", spec.tokenizer_type)
+        return tokenizer_from_path(path, spec.eod_token)
     if spec.tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(spec.vocab_file, "--vocab-file (vocab.json)", spec.tokenizer_type)
         merges = _require_file(spec.merge_file, "--merge-file (merges.txt)", spec.tokenizer_type)
@@ -124,7 +160,38 @@ def tokenizer_from_json(text: str, eod_token: str | None = None) -> Tokenizer:
     """Rebuilds a tokenizer from `to_json()` output (how checkpoints carry their tokenizer)."""
     if text.lstrip().startswith('{"dtmega_tokenizer": "byte"'):
         return ByteTokenizer()
+    if text.lstrip().startswith('{"dtmega_tokenizer": "sentencepiece"'):
+        saved = json.loads(text)
+        return SentencePieceTokenizer(base64.b64decode(saved["model"]), eod_token or saved["eod_token"])
     return HuggingFaceTokenizer(HFTokenizerModel.from_str(text), eod_token)
+
+
+def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Tokenizer:
+    """The tokenizer at `path` in any form Megatron users pass to --tokenizer-model: a
+    `tokenizer.json` (HF tokenizers), a SentencePiece `tokenizer.model`, or a Hugging Face
+    tokenizer directory holding either (tokenizer.json preferred)."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).exists():
+                return tokenizer_from_path(path / name, eod_token)
+        raise FileNotFoundError(f"--tokenizer-model {path}: the directory holds neither tokenizer.json nor "
+                                "tokenizer.model. Fix: the directory the model's tokenizer was saved to")
+    if not path.exists():
+        raise FileNotFoundError(f"--tokenizer-model {path} does not exist")
+    data = path.read_bytes()
+    if data.lstrip()[:1] == b"{":
+        try:
+            return tokenizer_from_json(data.decode("utf-8"), eod_token)
+        except Exception as error:  # tokenizers raises its own exception type for a bad file
+            if isinstance(error, ValueError) and "end-of-document" in str(error):
+                raise
+            raise ValueError(f"--tokenizer-model {path} is JSON but not a tokenizers file ({error})") from None
+    try:
+        return SentencePieceTokenizer(data, eod_token)
+    except RuntimeError as error:  # sentencepiece's message for a file that is not a model proto
+        raise ValueError(f"--tokenizer-model {path} is neither a tokenizer.json nor a SentencePiece model ({error}). "
+                         "Fix: tokenizer.json, tokenizer.model, or the Hugging Face tokenizer directory") from None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, save_to: Path) -> HuggingFaceTokenizer:

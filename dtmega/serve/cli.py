@@ -24,14 +24,14 @@ from dtmega.mesh import broadcast_object, init_distributed
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
 from dtmega.serve.engine import Engine
-from dtmega.train.restore import read_head, restore_with_progress
+from dtmega.train.restore import add_model_source, read_source_head, restore_with_progress
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega serve", description="Serve a checkpoint over HTTP (Megatron's PUT /api, "
                                 "OpenAI's POST /v1/completions, GET /v1/health).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
+    add_model_source(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; the server "
                                                         "has no authentication, so mind who can reach it)")
     p.add_argument("--port", type=int, default=5000, help="TCP port (0: any free port, printed at start-up)")
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
     """Loads the checkpoint, listens, and serves until SIGTERM/Ctrl-C."""
     a = build_parser().parse_args(argv)
     check_arguments(a)
-    head = read_head(a.load, tuple(a.custom_import), contents=False)
+    head = read_source_head(a, contents=False)
     if head.spec.family != "dtmega-llama":
         raise ValueError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{head.spec.family} model. Fix: evaluate it with dtmega evaluate")
@@ -92,7 +92,8 @@ def main(argv: list[str]) -> None:
     problem = broadcast_object(sock if isinstance(sock, str) else None)
     if problem:
         raise ValueError(problem)
-    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
+    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
+                                             load_hf=a.load_hf)
     pm.eval()
     context = int(head.config.max_seq_len)
     engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=a.max_batch_size, max_len=context,

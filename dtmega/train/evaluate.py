@@ -19,7 +19,7 @@ from dtmega.progress import progress_bar
 from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
 from dtmega.data.indexed import IndexedDataset, read_stats
 from dtmega.train.args import ArgumentError, TrainArgs
-from dtmega.train.restore import restore_with_progress
+from dtmega.train.restore import add_model_source, restore_with_progress
 from dtmega.train.setup import run_shape
 from dtmega.train.trainer import evaluate_loss
 
@@ -27,7 +27,7 @@ from dtmega.train.trainer import evaluate_loss
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega evaluate", description="Validation loss and perplexity of a checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
+    add_model_source(p)
     p.add_argument("--data-path", nargs="+", help="dataset prefix(es), optionally weighted (the split evaluation)")
     p.add_argument("--task", choices=("wikitext", "lambada"),
                    help="an evaluation task on --valid-data instead of a dataset split (docs/evaluation.md)")
@@ -129,7 +129,7 @@ def main(argv: list[str]):
     a = build_parser().parse_args(argv)
     check_arguments(a)
     pm, tokenizer, state = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp",
-                                                 custom_import=a.custom_import)
+                                                 custom_import=a.custom_import, load_hf=a.load_hf)
     if a.task is not None:
         return run_task(a, pm, tokenizer, state)
     seq_length = a.seq_length or state["args"]["seq_length"]

@@ -18,7 +18,7 @@ from dtmega.models.kv_cache import KVCache
 from dtmega.printing import console
 from dtmega.progress import progress_bar
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
-from dtmega.train.restore import CheckpointHead, read_head, restore_with_progress
+from dtmega.train.restore import CheckpointHead, add_model_source, read_source_head, restore_with_progress
 
 
 @dataclass
@@ -93,7 +93,7 @@ def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int) -> Non
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega generate", description="Sample text from a checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
+    add_model_source(p)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
@@ -111,8 +111,9 @@ def main(argv: list[str]) -> str:
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
-    check_request(read_head(a.load, tuple(a.custom_import), contents=False), a.prompt, a.max_new_tokens)
-    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import)
+    check_request(read_source_head(a, contents=False), a.prompt, a.max_new_tokens)
+    pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
+                                             load_hf=a.load_hf)
     if pm.program.facts.family != "dtmega-llama":
         raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from dataclasses import dataclass
@@ -60,15 +61,42 @@ def read_head(load: str | Path, custom_import: tuple = (), contents: bool = True
     return CheckpointHead(checkpoint, state, spec, config, tokenizer)
 
 
+def read_hf_head(load_hf: str | Path) -> CheckpointHead:
+    """The head of a Hugging Face model directory (config, tokenizer, every shard's header
+    checked; no weight read): what `--load-hf` commands check a request against."""
+    from dtmega.interop.hf_checkpoint import HFCheckpoint
+    from dtmega.interop.hf_import import hf_state
+
+    checkpoint = HFCheckpoint.open(load_hf)
+    return CheckpointHead(checkpoint.path, hf_state(checkpoint), model_spec("llama"), checkpoint.config,
+                          checkpoint.tokenizer)
+
+
+def add_model_source(parser: argparse.ArgumentParser) -> None:
+    """`--load CKPT` or `--load-hf DIR` (exactly one), for the commands that run a trained model."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--load", help="checkpoint (a --save directory or an iter_* directory)")
+    group.add_argument("--load-hf", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer), "
+                                         "read shard by shard without a conversion step")
+
+
+def read_source_head(args: argparse.Namespace, contents: bool = True) -> CheckpointHead:
+    """The head of `--load` or `--load-hf`, whichever `args` has."""
+    if getattr(args, "load_hf", None):
+        return read_hf_head(args.load_hf)
+    return read_head(args.load, tuple(getattr(args, "custom_import", ())), contents=contents)
+
+
 RESTORE_PHASES = 3
 
 
 def restore(
-    load: str | Path, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = (),
-    on_phase: Callable[[str], None] | None = None,
+    load: str | Path | None, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = (),
+    on_phase: Callable[[str], None] | None = None, load_hf: str | Path | None = None,
 ) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
     """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
-    tokenizer, its saved state). `mesh` overrides the mesh built from the world (e.g. a
+    tokenizer, its saved state). `load_hf` instead of `load`: a Hugging Face model directory,
+    each rank reading only its slices. `mesh` overrides the mesh built from the world (e.g. a
     sub-mesh of a larger job); `custom_import` names modules that register the model;
     `on_phase(name)` is told each of the RESTORE_PHASES phases as it starts (a progress bar's
     `phase`)."""
@@ -81,7 +109,10 @@ def restore(
         else:
             mesh = dtmega.make_mesh(tp=tp, dp_shard=-1 if data_parallel else 1, device_type=device_type)
     whole_world = dist.is_initialized() and mesh.size() == dist.get_world_size()
-    head = read_head(load, custom_import, group=None if whole_world else LOCAL)  # the mesh's ranks share the work
+    if load_hf is not None:
+        head = read_hf_head(load_hf)
+    else:
+        head = read_head(load, custom_import, group=None if whole_world else LOCAL)  # the mesh's ranks share the work
     checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
     on_phase("building the model")
     passes = [TensorParallel()] if tp > 1 else []
@@ -94,14 +125,20 @@ def restore(
     if spec.materialize == "meta":
         pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
     on_phase("reading the weights")
-    load_checkpoint(checkpoint, pm.module, restore_rng=False)
+    if load_hf is not None:
+        from dtmega.interop.hf_checkpoint import HFCheckpoint
+
+        HFCheckpoint.open(load_hf).load_into(pm.module)
+    else:
+        load_checkpoint(checkpoint, pm.module, restore_rng=False)
     return pm, tokenizer, state
 
 
-def restore_with_progress(load: str | Path, **kwargs) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
+def restore_with_progress(load: str | Path | None, **kwargs) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
     """`restore` under a progress display of its phases (commands that load a checkpoint: a big
     one takes a while to check and read, and the user sees which phase it is in)."""
     from dtmega.progress import progress_bar
 
-    with progress_bar(f"loading {load}", total=RESTORE_PHASES, unit="phases", phased=True) as bar:
+    with progress_bar(f"loading {load or kwargs.get('load_hf')}", total=RESTORE_PHASES, unit="phases",
+                      phased=True) as bar:
         return restore(load, on_phase=bar.phase, **kwargs)

@@ -1,0 +1,76 @@
+"""`dtmega convert`: checkpoints in and out of dtmega.
+
+    dtmega convert hf-to-dtmega --hf-dir SmolLM2-135M --save ckpt
+    dtmega convert dtmega-to-hf --load ckpt --hf-dir out [--dtype bfloat16] [--max-shard-size 5GB]
+    dtmega convert megatron-to-dtmega --load mcore_ckpt --save ckpt --num-attention-heads 32 ...
+
+hf-to-dtmega may run under torchrun (the ranks shard the model and each writes its part);
+the other two run in one process and stream tensor by tensor (or shard by shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from dtmega.printing import console
+from dtmega.progress import progress_bar
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)i?B?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written as 5GB, 500MB, 2GiB or a plain number of bytes."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"--max-shard-size {text!r}: write it as 5GB, 500MB or a number of bytes")
+    number, unit = match.groups()
+    return int(float(number) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit.upper()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The three conversions and their options."""
+    parser = argparse.ArgumentParser(prog="dtmega convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    hf_in = kinds.add_parser("hf-to-dtmega", help="a Hugging Face model directory -> a dtmega checkpoint")
+    hf_in.add_argument("--hf-dir", required=True, help="config.json, *.safetensors (+ index), tokenizer files")
+    hf_in.add_argument("--save", required=True, help="dtmega checkpoint directory to write (iter_0000000)")
+    hf_in.add_argument("--tokenizer-model", help="another tokenizer (tokenizer.json, tokenizer.model or a directory)")
+    hf_out = kinds.add_parser("dtmega-to-hf", help="a dtmega checkpoint -> a Hugging Face model directory")
+    hf_out.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
+    hf_out.add_argument("--hf-dir", required=True, help="new directory to write (refused if it holds files)")
+    hf_out.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="weights' dtype (default: the source model's, else float32)")
+    hf_out.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    mcore = kinds.add_parser("megatron-to-dtmega", help="a Megatron-Core torch_dist GPT checkpoint -> dtmega")
+    from dtmega.interop.megatron_cli import add_megatron_arguments
+
+    add_megatron_arguments(mcore)
+    return parser
+
+
+def main(argv: list[str]) -> str:
+    """Runs one conversion; prints and returns where it wrote."""
+    a = build_parser().parse_args(argv)
+    if a.kind == "hf-to-dtmega":
+        from dtmega.interop.hf_import import import_hf
+
+        with progress_bar(f"convert {a.hf_dir}", total=4, unit="phases", phased=True) as bar:
+            written = import_hf(a.hf_dir, a.save, tokenizer_model=a.tokenizer_model, on_phase=bar.phase)
+    elif a.kind == "dtmega-to-hf":
+        from dtmega.interop.hf_export import export_hf
+
+        limit = parse_size(a.max_shard_size)
+        with progress_bar(f"convert {a.load}", total=None, unit="shards") as bar:
+            def on_shard(done: int, total: int) -> None:
+                bar.set_total(total)
+                bar.advance()
+
+            written = export_hf(a.load, a.hf_dir, dtype=a.dtype, max_shard_bytes=limit, on_shard=on_shard)
+    else:
+        from dtmega.interop.megatron_cli import convert_megatron
+
+        written = convert_megatron(a)
+    console().print(f"wrote {written}", highlight=False)
+    return str(written)

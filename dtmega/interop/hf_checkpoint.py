@@ -1,0 +1,192 @@
+"""A Hugging Face checkpoint directory, opened and checked before any weight is read, and loaded
+into a dtmega model sharded by any plan.
+
+`HFCheckpoint.open(dir)` reads `config.json` (mapped to a LlamaConfig, hf_config.py), the
+safetensors index (`model.safetensors.index.json`, or one `model.safetensors`), every shard's
+header (names, shapes, dtypes: a few KiB each) and the tokenizer, and checks them against each
+other: a shard the index names but the directory lacks, a tensor the model needs but no shard
+holds, a shape that disagrees with the config, a tokenizer larger than the embedding. Each is an
+HFFormatError naming the file and the fix, raised on every rank alike before any allocation.
+`load_into(module)` then fills the module's (sharded) tensors through DCP (hf_reader.py).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
+from dtmega.interop.hf_config import HFFormatError, llama_config_from_hf
+from dtmega.interop.hf_layout import WeightSource, hf_source
+from dtmega.interop.hf_reader import HFSafetensorsReader
+from dtmega.models.llama import Llama
+from dtmega.models.llama_config import LlamaConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Small text files of an HF model directory that a dtmega checkpoint keeps, so that exporting
+# it again writes the same config, generation settings, tokenizer settings and chat template.
+KEPT_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def model_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every dtmega tensor's global shape for `config`, from the model built on the meta device
+    (no arithmetic of our own to disagree with the model)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+@dataclass
+class HFCheckpoint:
+    """A checked Hugging Face model directory: its config, tokenizer and tensor index."""
+
+    path: Path
+    hf_config: dict
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    files: dict[str, Path]  # HF tensor name -> its safetensors file
+    shapes: dict[str, tuple[int, ...]]  # HF tensor name -> shape
+    dtypes: dict[str, torch.dtype]
+    kept: dict[str, str] = field(default_factory=dict)  # KEPT_FILES present, as text
+
+    @classmethod
+    def open(cls, path: str | Path, tokenizer_model: str | None = None) -> HFCheckpoint:
+        """Opens and checks `path` (see the module docstring); `tokenizer_model` overrides the
+        directory's own tokenizer files."""
+        path = Path(path)
+        if not path.is_dir():
+            raise HFFormatError(f"--load-hf {path}: no such directory. Fix: a Hugging Face model directory "
+                                "(config.json, *.safetensors, tokenizer.json)")
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise HFFormatError(f"{path} has no config.json; it is not a Hugging Face model directory")
+        try:
+            hf_config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise HFFormatError(f"{config_file} is not JSON ({error})") from None
+        config = llama_config_from_hf(hf_config, str(config_file))
+        files = _index(path)
+        shapes, dtypes = _headers(files)
+        checkpoint = cls(path, hf_config, config, _tokenizer(path, tokenizer_model, config), files, shapes, dtypes,
+                         {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()})
+        checkpoint.sources()  # every tensor present with the config's shape
+        return checkpoint
+
+    def sources(self) -> dict[str, WeightSource]:
+        """dtmega name -> where it is read from, checked against the files: each HF tensor exists,
+        with the shape the config gives it."""
+        expected = model_shapes(self.config)
+        sources, missing, wrong = {}, [], []
+        names = set(self.files)
+        for name, shape in expected.items():
+            source = hf_source(name, self.config, names)
+            sources[name] = source
+            want = shape[1:] if source.stacked else shape
+            for hf in source.names:
+                if hf not in self.shapes:
+                    missing.append(hf)
+                elif self.shapes[hf] != tuple(want):
+                    wrong.append(f"{hf}: {list(self.shapes[hf])} in {self.files[hf].name}, the config gives "
+                                 f"{list(want)}")
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise HFFormatError(f"{self.path}: the model needs tensors no shard holds: {', '.join(missing[:5])}{more}. "
+                                "Fix: a complete checkpoint of the architecture config.json names")
+        if wrong:
+            raise HFFormatError(f"{self.path}: tensor shapes disagree with config.json:\n  " + "\n  ".join(wrong[:10])
+                                + "\nFix: the config.json that belongs to these weights")
+        return sources
+
+    def load_into(self, module: torch.nn.Module) -> None:
+        """Fills `module` (a dtmega Llama, sharded by any plan, materialized; under pipeline
+        parallelism this rank's stages) with the checkpoint's weights; collective over the
+        ranks of the default process group when one is up. Each rank reads its regions only."""
+        state = get_model_state_dict(module)
+        sources = self.sources()
+        shapes = model_shapes(self.config)
+        reader = HFSafetensorsReader(
+            {hf: self.files[hf] for source in sources.values() for hf in source.names}, sources, shapes,
+            {name: self.dtypes[sources[name].names[0]] for name in shapes},
+        )
+        alone = not (dist.is_available() and dist.is_initialized())
+        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming single process" note
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=alone)
+        set_model_state_dict(module, state, options=StateDictOptions(strict=True))
+
+
+def _index(path: Path) -> dict[str, Path]:
+    """HF tensor name -> its file, from the index (or the single file); every file checked."""
+    index_file = path / INDEX
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise HFFormatError(f"{index_file} is not a safetensors index (no weight_map: {error})") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        absent = sorted({file.name for file in files.values() if not file.exists()})
+        if absent:
+            raise HFFormatError(f"{index_file} names shards that are not in {path}: {', '.join(absent)}. "
+                                "Fix: copy or download every shard the index lists")
+        return files
+    single = path / SINGLE
+    if single.exists():
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}
+    raise HFFormatError(f"{path} has neither {INDEX} nor {SINGLE}. Fix: save the model with safetensors "
+                        "(transformers' save_pretrained does by default)")
+
+
+def _headers(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+    shapes, dtypes = {}, {}
+    for file in sorted(set(files.values())):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as error:  # a damaged header, an unreadable file
+            raise HFFormatError(f"{file} is not a readable safetensors file ({error})") from None
+        with handle:
+            present = set(handle.keys())
+            for name in [n for n, f in files.items() if f == file]:
+                if name not in present:
+                    raise HFFormatError(f"the index puts {name} in {file.name}, which does not hold it. "
+                                        "Fix: the index that belongs to these shards")
+                piece = handle.get_slice(name)
+                shapes[name] = tuple(piece.get_shape())
+                kind = piece.get_dtype()
+                if kind not in _DTYPES:
+                    raise HFFormatError(f"{file.name}: {name} is {kind}; dtmega reads F32, F16, BF16 and F64 weights "
+                                        "(a quantized checkpoint must be dequantized first)")
+                dtypes[name] = _DTYPES[kind]
+    return shapes, dtypes
+
+
+def _tokenizer(path: Path, tokenizer_model: str | None, config: LlamaConfig) -> Tokenizer:
+    source = tokenizer_model or str(path)
+    tokenizer = tokenizer_from_path(source, eod_token=_eos_token(path))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise HFFormatError(
+            f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but the model's embedding only "
+            f"{config.vocab_size} rows (vocab_size in config.json): its larger ids would index past the "
+            "embedding. Fix: the tokenizer that belongs to this model"
+        )
+    return tokenizer
+
+
+def _eos_token(path: Path) -> str | None:
+    """The end-of-text token tokenizer_config.json names (None: dtmega's usual candidates)."""
+    settings = path / "tokenizer_config.json"
+    if not settings.exists():
+        return None
+    token = json.loads(settings.read_text()).get("eos_token")
+    return token.get("content") if isinstance(token, dict) else token

@@ -1,0 +1,59 @@
+"""A Hugging Face model directory as a dtmega checkpoint (`dtmega convert hf-to-dtmega`), and the
+checkpoint state an HF model stands for when commands load it directly (`--load-hf`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from dtmega.interop.hf_checkpoint import HFCheckpoint
+from dtmega.models.llama_specs import llama_config_to_dict
+
+# The sequence length commands default to for an HF model (its `args.seq_length`): its context,
+# capped so that `dtmega evaluate` of a 128K-context model does not default to 128K windows.
+DEFAULT_SEQ_LENGTH = 2048
+
+
+def hf_state(checkpoint: HFCheckpoint) -> dict:
+    """The state.json an HF model stands for: iteration 0, dtmega's Llama with the HF config,
+    the tokenizer's end-of-document token, and the source's small files kept for export."""
+    tokenizer = checkpoint.tokenizer
+    return {
+        "iteration": 0, "consumed_samples": 0, "model": "llama", "model_config": llama_config_to_dict(checkpoint.config),
+        "args": {"seq_length": min(checkpoint.config.max_seq_len, DEFAULT_SEQ_LENGTH)},
+        "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(checkpoint.path),
+                      "eod_token": getattr(tokenizer, "eod_token", None)},
+        "hf_files": checkpoint.kept, "source": {"hf_dir": str(checkpoint.path.resolve())},
+    }
+
+
+def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | None = None,
+              on_phase: Callable[[str], None] | None = None) -> Path:
+    """Writes the HF model `hf_dir` as a dtmega checkpoint `save/iter_0000000` (weights,
+    tokenizer, config; no optimizer state) and returns its path. One process holds the whole
+    model; under torchrun the ranks shard it (FSDP over the world) and each writes its part."""
+    import dtmega
+    from dtmega.mesh import default_device_type
+    from dtmega.models.llama import Llama
+    from dtmega.passes import DataParallel, Plan
+    from dtmega.train.checkpoint import save_checkpoint
+
+    on_phase = on_phase or (lambda name: None)
+    on_phase("checking the Hugging Face files")
+    checkpoint = HFCheckpoint.open(hf_dir, tokenizer_model)
+    on_phase("building the model")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    import torch
+
+    with torch.device("meta"):
+        model = Llama(checkpoint.config)
+    mesh = dtmega.make_mesh(dp_shard=world, device_type=default_device_type())
+    pm = dtmega.parallelize(model, mesh, Plan([DataParallel("fsdp")] if world > 1 else []))
+    pm.init_weights(seed=0)  # materializes; every weight is overwritten next
+    on_phase("reading the weights")
+    checkpoint.load_into(pm.module)
+    on_phase("writing the checkpoint")
+    state = {**hf_state(checkpoint), "world_size": world}
+    return save_checkpoint(save, 0, pm.module, None, state, tokenizer_json=checkpoint.tokenizer.to_json())

@@ -1,0 +1,69 @@
+"""`dtmega convert megatron-to-dtmega`: its flags (Megatron's names) and the conversion."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dtmega.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer
+from dtmega.interop.megatron_core import (
+    MegatronArchitecture,
+    MegatronCheckpoint,
+    MegatronFormatError,
+    dtmega_state_from_megatron,
+    llama_config_from_megatron,
+)
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint, the destination, and the flags of the Megatron run its shapes do not say."""
+    parser.add_argument("--load", required=True, help="the torch_dist iter_* directory Megatron-Core wrote")
+    parser.add_argument("--save", required=True, help="dtmega checkpoint directory to write (iter_0000000)")
+    parser.add_argument("--num-attention-heads", type=int, required=True)
+    parser.add_argument("--num-query-groups", type=int, help="key/value heads (default: no grouping)")
+    parser.add_argument("--rotary-base", type=float, default=10000.0)
+    parser.add_argument("--rotary-interleaved", action="store_true", help="the run rotated adjacent pairs")
+    parser.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 RoPE frequency scaling")
+    parser.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    parser.add_argument("--norm-epsilon", type=float, default=1e-5)
+    parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, required=True)
+    parser.add_argument("--tokenizer-model", help="tokenizer.json, tokenizer.model or a tokenizer directory")
+    parser.add_argument("--vocab-file")
+    parser.add_argument("--merge-file")
+    parser.add_argument("--eod-token")
+
+
+def convert_megatron(a: argparse.Namespace) -> Path:
+    """Checks everything (checkpoint keys, shapes against the flags, tokenizer against the
+    embedding), then reads the checkpoint tensor by tensor into a dtmega checkpoint."""
+    import torch
+
+    from dtmega.interop.hf_import import DEFAULT_SEQ_LENGTH
+    from dtmega.models.llama import Llama
+    from dtmega.models.llama_specs import llama_config_to_dict
+    from dtmega.train.checkpoint import save_checkpoint
+
+    checkpoint = MegatronCheckpoint(a.load)
+    arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
+                                a.use_rope_scaling, a.rope_scaling_factor, a.norm_epsilon, a.max_position_embeddings)
+    config = llama_config_from_megatron(checkpoint, arch)
+    spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token)
+    tokenizer = build_tokenizer(spec)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "
+                                  f"only {config.vocab_size} rows. Fix: the tokenizer the run was trained with")
+    weights = dtmega_state_from_megatron(checkpoint, config, a.rotary_interleaved)
+    if config.tie_embeddings:
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    with torch.device("meta"):
+        model = Llama(config)
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:  # a bug of the mapping, not of the input
+        raise RuntimeError(f"megatron-to-dtmega mapping incomplete: missing {missing}, unexpected {unexpected}")
+    state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "llama",
+             "model_config": llama_config_to_dict(config),
+             "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
+             "source": {"megatron_core": str(checkpoint.path.resolve())}}
+    return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json())

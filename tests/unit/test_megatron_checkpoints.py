@@ -1,0 +1,73 @@
+"""Megatron-Core checkpoints into dtmega: a GPTModel saved by megatron-core's own
+dist_checkpointing (torch_dist, written by two tensor-parallel ranks on CPU:
+tests/megatron_core_gpt.py) converts with logits equal to that model's forward.
+
+Tolerance: 1e-5 relative (max |difference| / max |logit|, fp32): the same weights, two
+implementations' reduction orders (~3e-7 measured).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtmega.cli import main as dtmega_main
+from dtmega.interop.megatron_core import MegatronFormatError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def megatron_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("megatron")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "megatron_core_gpt.py"),
+                           str(out)], check=False, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+FLAGS = ["--num-attention-heads", "4", "--num-query-groups", "2", "--tokenizer-type", "byte",
+         "--max-position-embeddings", "64"]
+
+
+def test_megatron_core_checkpoint_converts_with_logits_parity(megatron_checkpoint, tmp_path):
+    from dtmega.train.restore import restore
+
+    assert dtmega_main(["convert", "megatron-to-dtmega", "--load", str(megatron_checkpoint / "iter_0000001"),
+                        "--save", str(tmp_path / "ckpt"), *FLAGS]) == 0
+    reference = torch.load(megatron_checkpoint / "logits.pt")
+    pm, _, state = restore(tmp_path / "ckpt")
+    assert state["source"]["megatron_core"].endswith("iter_0000001")
+    with torch.no_grad():
+        ours = pm.module(reference["tokens"])
+    error = float((ours - reference["logits"]).abs().max() / reference["logits"].abs().max())
+    assert error < 1e-5, error
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-attention-heads", "4", "--num-query-groups", "4"], "linear_qkv.weight has 128 rows, but"),
+    (["--num-attention-heads", "3"], "do not divide the hidden size 64"),
+])
+def test_flags_that_disagree_with_the_shapes_are_refused(megatron_checkpoint, tmp_path, flags, message):
+    from dtmega.interop.convert_cli import build_parser
+    from dtmega.interop.megatron_cli import convert_megatron
+
+    args = build_parser().parse_args(["megatron-to-dtmega", "--load", str(megatron_checkpoint / "iter_0000001"),
+                                      "--save", str(tmp_path / "c"), "--tokenizer-type", "byte", *flags])
+
+    with pytest.raises(MegatronFormatError, match=message):
+        convert_megatron(args)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_directory_that_is_not_torch_dist_is_refused(tmp_path):
+    from dtmega.interop.megatron_core import MegatronCheckpoint
+
+    with pytest.raises(MegatronFormatError, match="has no .metadata: not a Megatron-Core torch_dist checkpoint"):
+        MegatronCheckpoint(tmp_path)

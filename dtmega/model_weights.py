@@ -27,6 +27,21 @@ class ModelWeights:
                 )
             init(seed=seed, buffer_device=torch.device(device))
 
+    def materialize(self, device: torch.device | str | None = None) -> None:
+        """Allocates meta parameters on `device` uninitialized and builds the buffers (the model's
+        `init_buffers(device)`, which also re-ties what `to_empty` untied): for weights loaded
+        next (a checkpoint), so no time or memory goes to random values. A model without
+        `init_buffers` is initialized instead (`init_weights(seed=0)`)."""
+        if device is None:
+            device = self.mesh.device_type if self.mesh is not None else "cpu"
+        if not all(hasattr(part, "init_buffers") for part in self.parts):
+            self.init_weights(seed=0, device=device)
+            return
+        for part in self.parts:
+            if any(p.is_meta for p in part.parameters()) or any(b.is_meta for b in part.buffers()):
+                part.to_empty(device=device)
+            part.init_buffers(torch.device(device))
+
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads unsharded weights (every rank passes the same dict); each rank keeps its shard."""
         set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))

@@ -208,6 +208,23 @@ def mesh(**sizes: int):
     return _MESHES[key]
 
 
+def first_ranks_mesh(**sizes: int):
+    """A mesh of the given axis sizes on the first ranks of the world only (e.g. tp=3 on ranks
+    0-2 of 4: a model whose head count only 3 divides); the other ranks get None and must skip
+    the test's collectives. Every rank calls it (process groups are created collectively)."""
+    from dtmega.mesh import AXES, resolve_mesh_sizes
+
+    ranks = 1
+    for size in sizes.values():
+        ranks *= size
+    axis_sizes = resolve_mesh_sizes(ranks, **{axis: sizes.get(axis, 1) for axis in AXES})
+    grid = torch.arange(ranks, dtype=torch.int).view(*axis_sizes.values())
+    groups = [_group_along(grid, dim) for dim in range(grid.dim())]
+    if dist.get_rank() >= ranks:
+        return None
+    return DeviceMesh.from_group(groups, "cpu", mesh=grid, mesh_dim_names=AXES)
+
+
 def _group_along(world: torch.Tensor, dim: int) -> dist.ProcessGroup:
     """This rank's process group along `dim` of the rank grid; every rank creates the missing
     groups in the same order, so the cache stays identical on all ranks."""

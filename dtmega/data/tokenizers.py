@@ -174,7 +174,7 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
     if path.is_dir():
         for name in ("tokenizer.json", "tokenizer.model"):
             if (path / name).exists():
-                return tokenizer_from_path(path / name, eod_token)
+                return tokenizer_from_path(path / name, eod_token or directory_eos_token(path))
         raise FileNotFoundError(f"--tokenizer-model {path}: the directory holds neither tokenizer.json nor "
                                 "tokenizer.model. Fix: the directory the model's tokenizer was saved to")
     if not path.exists():
@@ -192,6 +192,17 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
     except RuntimeError as error:  # sentencepiece's message for a file that is not a model proto
         raise ValueError(f"--tokenizer-model {path} is neither a tokenizer.json nor a SentencePiece model ({error}). "
                          "Fix: tokenizer.json, tokenizer.model, or the Hugging Face tokenizer directory") from None
+
+
+def directory_eos_token(path: Path) -> str | None:
+    """The end-of-text token a Hugging Face tokenizer directory's tokenizer_config.json names
+    (None: none named, dtmega's usual candidates apply). Used as the end-of-document token, so
+    preprocessing, training and generation from that directory agree on it."""
+    settings = Path(path) / "tokenizer_config.json"
+    if not settings.exists():
+        return None
+    token = json.loads(settings.read_text()).get("eos_token")
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, save_to: Path) -> HuggingFaceTokenizer:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -83,14 +82,17 @@ class HFCheckpoint:
         checkpoint.sources()  # every tensor present with the config's shape
         return checkpoint
 
-    def sources(self) -> dict[str, WeightSource]:
+    def sources(self, config: LlamaConfig | None = None) -> dict[str, WeightSource]:
         """dtmega name -> where it is read from, checked against the files: each HF tensor exists,
-        with the shape the config gives it."""
-        expected = model_shapes(self.config)
+        with the shape the config gives it. `config`: the model's, when it differs from the
+        checkpoint's by untied embeddings (the output layer then starts as a copy of the
+        embedding)."""
+        config = config or self.config
+        expected = model_shapes(config)
         sources, missing, wrong = {}, [], []
         names = set(self.files)
         for name, shape in expected.items():
-            source = hf_source(name, self.config, names)
+            source = hf_source(name, config, names)
             sources[name] = source
             want = shape[1:] if source.stacked else shape
             for hf in source.names:
@@ -108,21 +110,27 @@ class HFCheckpoint:
                                 + "\nFix: the config.json that belongs to these weights")
         return sources
 
-    def load_into(self, module: torch.nn.Module) -> None:
+    def load_into(self, module: torch.nn.Module, config: LlamaConfig | None = None) -> None:
         """Fills `module` (a dtmega Llama, sharded by any plan, materialized; under pipeline
-        parallelism this rank's stages) with the checkpoint's weights; collective over the
-        ranks of the default process group when one is up. Each rank reads its regions only."""
+        parallelism this rank's stages) with the checkpoint's weights. Each rank reads its own
+        regions only, with no collective. `config`: the module's, if it unties the checkpoint's
+        tied embeddings (pipeline parallelism: the output layer lives on the last stage)."""
+        config = config or self.config
+        if config.replace(tie_embeddings=self.config.tie_embeddings) != self.config:
+            raise HFFormatError("the model's config differs from the checkpoint's beyond untied embeddings")
         state = get_model_state_dict(module)
-        sources = self.sources()
-        shapes = model_shapes(self.config)
+        sources = self.sources(config)
+        shapes = model_shapes(config)
         reader = HFSafetensorsReader(
             {hf: self.files[hf] for source in sources.values() for hf in source.names}, sources, shapes,
             {name: self.dtypes[sources[name].names[0]] for name in shapes},
         )
-        alone = not (dist.is_available() and dist.is_initialized())
-        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming single process" note
+        # no_dist: every rank plans and reads its own regions from the files; the reader needs
+        # no coordination, so loading takes no collective (any subset of ranks may load, e.g.
+        # a sub-mesh of a larger job) and a rank never waits for another.
+        with warnings.catch_warnings():  # DCP's "assuming single process" note
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=alone)
+            dcp.load(state, storage_reader=reader, no_dist=True)
         set_model_state_dict(module, state, options=StateDictOptions(strict=True))
 
 
@@ -173,7 +181,7 @@ def _headers(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[s
 
 def _tokenizer(path: Path, tokenizer_model: str | None, config: LlamaConfig) -> Tokenizer:
     source = tokenizer_model or str(path)
-    tokenizer = tokenizer_from_path(source, eod_token=_eos_token(path))
+    tokenizer = tokenizer_from_path(source)  # a directory's end-of-document token is its eos_token
     if tokenizer.vocab_size > config.vocab_size:
         raise HFFormatError(
             f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but the model's embedding only "
@@ -181,12 +189,3 @@ def _tokenizer(path: Path, tokenizer_model: str | None, config: LlamaConfig) -> 
             "embedding. Fix: the tokenizer that belongs to this model"
         )
     return tokenizer
-
-
-def _eos_token(path: Path) -> str | None:
-    """The end-of-text token tokenizer_config.json names (None: dtmega's usual candidates)."""
-    settings = path / "tokenizer_config.json"
-    if not settings.exists():
-        return None
-    token = json.loads(settings.read_text()).get("eos_token")
-    return token.get("content") if isinstance(token, dict) else token

@@ -51,7 +51,7 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
         model = Llama(checkpoint.config)
     mesh = dtmega.make_mesh(dp_shard=world, device_type=default_device_type())
     pm = dtmega.parallelize(model, mesh, Plan([DataParallel("fsdp")] if world > 1 else []))
-    pm.init_weights(seed=0)  # materializes; every weight is overwritten next
+    pm.materialize()  # allocated, not initialized: every weight is read next
     on_phase("reading the weights")
     checkpoint.load_into(pm.module)
     on_phase("writing the checkpoint")

@@ -155,10 +155,18 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
         """Initializes parameters in place (sharded or not: same values) and rebuilds buffers."""
-        if self.config.tie_embeddings:  # to_empty() unties shared parameters
-            self.output.weight = self.tok_embeddings.weight
+        self._tie()
         init_parameters(self, self.init_spec, seed=seed)
-        device = buffer_device or self.rope_cache.device
+        self.init_buffers(buffer_device or self.rope_cache.device)
+
+    def _tie(self) -> None:
+        if self.config.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty() unties shared parameters
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Re-ties a tied output layer and rebuilds the buffers (RoPE table, MoE counters) on
+        `device`, leaving the parameters' values as they are: for weights loaded next."""
+        self._tie()
         if device.type == "meta":
             return
         self.rope_cache = self._rope_cache(device)

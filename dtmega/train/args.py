@@ -173,6 +173,10 @@ class TrainArgs:
     # ---- checkpoints, evaluation, logging ----
     save: str | None = _opt(None, "checkpoint directory to write")
     load: str | None = _opt(None, "checkpoint directory (or iter_* directory) to resume from")
+    load_hf: str | None = _opt(None, "Hugging Face model directory to start from: its config, tokenizer and "
+                               "weights, with a fresh optimizer and iteration count (Megatron's --finetune); a "
+                               "checkpoint in --load takes precedence, so a restarted run resumes")
+    save_hf: str | None = _opt(None, "also write the final checkpoint as a Hugging Face model directory (needs --save)")
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")

@@ -53,6 +53,8 @@ SIZE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
     """(spec, config) of the model the arguments name: dtmega's Llama from Megatron's size flags
     (or a size preset), or a registered spec of another model with the tokenizer's vocabulary."""
+    if args.load_hf:
+        return hf_model_of(args, tokenizer_vocab)
     name = args.model or "llama"
     try:
         spec = model_spec(name)
@@ -65,6 +67,28 @@ def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
         raise ArgumentError(f"--model {name} is a registered {spec.family} model whose sizes come from its spec; "
                             f"{', '.join(given)} cannot change them. Fix: leave them out, or register another size")
     return spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args))
+
+
+def hf_model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
+    """`--load-hf`: dtmega's Llama with the Hugging Face model's config (every shard's header and
+    the tokenizer checked now, before any process group or allocation). A tied model may be
+    untied with --untie-embeddings-and-output-weights (pipeline parallelism needs it: the
+    output layer lives on the last stage); its output layer then starts as the embedding."""
+    from dtmega.interop.hf_checkpoint import HFCheckpoint
+
+    given = [f"--{flag.replace('_', '-')}" for flag in SIZE_FLAGS if getattr(args, flag)]
+    if args.model or given:
+        raise ArgumentError(f"--load-hf {args.load_hf}: the model's sizes come from its config.json; "
+                            f"{', '.join(([f'--model {args.model}'] if args.model else []) + given)} cannot change "
+                            "them. Fix: leave them out")
+    config = HFCheckpoint.open(args.load_hf, args.tokenizer_model).config
+    if tokenizer_vocab > config.vocab_size:
+        raise ArgumentError(f"the tokenizer has {tokenizer_vocab} tokens but the model of --load-hf {args.load_hf} "
+                            f"embeds {config.vocab_size}. Fix: the tokenizer the data was preprocessed with must be "
+                            "the model's")
+    if args.untie_embeddings_and_output_weights and config.tie_embeddings:
+        config = config.replace(tie_embeddings=False)  # the output layer starts as a copy of the embedding
+    return model_spec("llama"), config
 
 
 def layers_of(spec: ModelSpec, config: Any) -> int:

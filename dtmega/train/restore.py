@@ -123,7 +123,7 @@ def restore(
         model.to(mesh.device_type)
     pm = dtmega.parallelize(model, mesh, Plan(passes))
     if spec.materialize == "meta":
-        pm.init_weights(seed=0)  # materializes buffers; the weights are overwritten next
+        pm.materialize()  # allocates and builds buffers; the weights are read next
     on_phase("reading the weights")
     if load_hf is not None:
         from dtmega.interop.hf_checkpoint import HFCheckpoint

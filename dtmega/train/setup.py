@@ -59,6 +59,8 @@ def reject_unsupported(args: TrainArgs) -> None:
         raise ArgumentError("--reset-attention-mask: document-masked attention is not supported yet")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; choose one")
+    if args.save_hf and not args.save:
+        raise ArgumentError("--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save")
 
 
 def run_shape(args: TrainArgs, world: int) -> RunShape:
@@ -325,6 +327,8 @@ def pipeline_pass(args: TrainArgs, shape: RunShape, n_layers: int) -> PipelineSp
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
     """The tokenizer the data was prepared with."""
+    if args.tokenizer_type is None and args.load_hf:  # the model's own tokenizer
+        return TokenizerSpec("HuggingFaceTokenizer", args.tokenizer_model or args.load_hf, eod_token=args.eod_token)
     if args.tokenizer_type is None:
         raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
     return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)

@@ -102,7 +102,9 @@ class Trainer:
         if self.spec.materialize == "seeded" and self.device_type != "cpu":
             model.to(self.device_type)
         self.pm = dtmega.parallelize(model, self.mesh, self.plan)
-        if self.spec.materialize == "meta":
+        if self.spec.materialize == "meta" and args.load_hf and not args.load:
+            self.pm.materialize()  # the Hugging Face weights are read next: no random values first
+        elif self.spec.materialize == "meta":
             self.pm.init_weights(seed=args.seed)
         self.optimizer = adamw(self.pm.module, lr=args.lr, weight_decay=args.weight_decay,
                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
@@ -131,6 +133,12 @@ class Trainer:
             if self.scaler and state.get("loss_scaler"):
                 self.scaler.load_state_dict(state["loss_scaler"])
             self.console.print(f"resumed from {checkpoint} at step {self.iteration} ({consumed} samples consumed)")
+        elif args.load_hf:
+            from dtmega.interop.hf_checkpoint import HFCheckpoint
+
+            HFCheckpoint.open(args.load_hf, args.tokenizer_model).load_into(self.pm.module, self.config)
+            self.console.print(f"started from the Hugging Face model {args.load_hf} (weights only: fresh optimizer "
+                               "and iteration count)")
         self.loader = BatchLoader(
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
@@ -207,6 +215,16 @@ class Trainer:
                                tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict())
         self.logger.event(f"saved checkpoint {path}")
         return path
+
+    def export_hf(self, checkpoint: Path) -> None:
+        """--save-hf: rank 0 writes the final checkpoint as a Hugging Face model; the others wait."""
+        if self.shape.world == 1 or dist.get_rank() == 0:
+            from dtmega.interop.hf_export import export_hf
+
+            export_hf(checkpoint, self.args.save_hf)
+            self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
+        if dist.is_initialized():
+            dist.barrier()
 
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:
@@ -320,6 +338,9 @@ class Trainer:
         if health is not None:
             health.finish()
         result.iteration = self.iteration
+        if args.save_hf and result.checkpoint is not None:
+            self.progress.mark(self.iteration, "Hugging Face export")
+            self.export_hf(result.checkpoint)
         if result.losses and self.unigram_entropy is not None:
             self.console.print(
                 f"final training loss {result.losses[-1]:.3f} vs unigram entropy {self.unigram_entropy:.3f} nats"

@@ -60,7 +60,7 @@ def loaded_unsharded(directory: Path) -> Llama:
     with torch.device("meta"):
         model = Llama(checkpoint.config)
     model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    model.init_buffers(torch.device("cpu"))
     checkpoint.load_into(model)
     return model.eval()
 

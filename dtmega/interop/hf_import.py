@@ -44,12 +44,12 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     on_phase("checking the Hugging Face files")
     checkpoint = HFCheckpoint.open(hf_dir, tokenizer_model)
     on_phase("building the model")
-    world = dist.get_world_size() if dist.is_initialized() else 1
     import torch
 
     with torch.device("meta"):
         model = Llama(checkpoint.config)
-    mesh = dtmega.make_mesh(dp_shard=world, device_type=default_device_type())
+    mesh = dtmega.make_mesh(dp_shard=-1, device_type=default_device_type())  # every rank of the launch
+    world = dist.get_world_size()
     pm = dtmega.parallelize(model, mesh, Plan([DataParallel("fsdp")] if world > 1 else []))
     pm.materialize()  # allocated, not initialized: every weight is read next
     on_phase("reading the weights")

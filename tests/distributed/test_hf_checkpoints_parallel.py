@@ -14,7 +14,6 @@ step's loss within 1e-3 (absolute, nats) of transformers' on the same global bat
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path

@@ -307,3 +307,11 @@ def test_export_refuses_a_directory_that_holds_files(tiny_checkpoint, tmp_path):
 
         export_hf(tiny_checkpoint, tmp_path / "out")
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_the_docs_name_table_is_the_mapping_the_code_uses():
+    from dtmega.interop.hf_layout import NAME_TABLE
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    for ours, theirs in NAME_TABLE:
+        assert f"| `{ours}` | `{theirs}`" in page, (ours, theirs)

@@ -49,7 +49,7 @@ def anonymous_rss() -> int:
 class PeakMemory:
     """Samples anonymous RSS every 5 ms while the block runs; `.peak` is the highest seen."""
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self.peak, self._running = anonymous_rss(), True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -109,7 +109,7 @@ def _pipelined_logits(pm, ids: torch.Tensor, dim: int) -> torch.Tensor | None:
 def test_smollm2_under_a_sharded_plan_gives_transformers_logits(name, smollm2):
     """Each rank reads only its slices (DCP resharding from the safetensors), keeps less than the
     whole model's size in anonymous memory while loading, and computes transformers' logits."""
-    directory, checkpoint, ids, reference = smollm2
+    _, checkpoint, ids, reference = smollm2
     sizes, passes = PLANS[name]
     plan_mesh = first_ranks_mesh(**sizes) if name == "tp3_sp" else mesh(**sizes)
     if plan_mesh is None:  # rank 3 under TP3

@@ -53,6 +53,31 @@ class ByteTokenizer:
     def to_json(self) -> str:
         return json.dumps({"dtmega_tokenizer": "byte"})
 
+    def as_huggingface(self) -> HFTokenizerModel:
+        """The same tokenizer as a `tokenizers` model (what a Hugging Face export carries): a
+        byte-level BPE without merges whose ids are the bytes, <|endoftext|> = 256, <|pad|> = 257."""
+        vocab = {char: byte for byte, char in _byte_symbols().items()}
+        vocab.update({BPE_EOD: self.eod, "<|pad|>": self.pad})
+        model = HFTokenizerModel(models.BPE(vocab, merges=[]))
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        model.decoder = decoders.ByteLevel()
+        model.add_special_tokens([BPE_EOD, "<|pad|>"])
+        return model
+
+
+def _byte_symbols() -> dict[int, str]:
+    """Byte -> the printable character byte-level BPE writes for it (GPT-2's table: printable
+    Latin-1 bytes stand for themselves, the others are shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
 
 class HuggingFaceTokenizer:
     """A `tokenizers` tokenizer with a known end-of-document token."""
@@ -181,12 +206,14 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
         raise FileNotFoundError(f"--tokenizer-model {path} does not exist")
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":
-        try:
-            return tokenizer_from_json(data.decode("utf-8"), eod_token)
-        except Exception as error:  # tokenizers raises its own exception type for a bad file
-            if isinstance(error, ValueError) and "end-of-document" in str(error):
-                raise
-            raise ValueError(f"--tokenizer-model {path} is JSON but not a tokenizers file ({error})") from None
+        text = data.decode("utf-8")
+        if not text.lstrip().startswith('{"dtmega_tokenizer"'):
+            try:
+                HFTokenizerModel.from_str(text)
+            except Exception as error:  # tokenizers raises a plain Exception for a file it cannot read
+                raise ValueError(f"--tokenizer-model {path} is JSON but not a tokenizers file ({error}). "
+                                 "Fix: the model's tokenizer.json") from None
+        return tokenizer_from_json(text, eod_token)
     try:
         return SentencePieceTokenizer(data, eod_token)
     except RuntimeError as error:  # sentencepiece's message for a file that is not a model proto

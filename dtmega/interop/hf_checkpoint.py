@@ -60,9 +60,11 @@ class HFCheckpoint:
     kept: dict[str, str] = field(default_factory=dict)  # KEPT_FILES present, as text
 
     @classmethod
-    def open(cls, path: str | Path, tokenizer_model: str | None = None) -> HFCheckpoint:
-        """Opens and checks `path` (see the module docstring); `tokenizer_model` overrides the
-        directory's own tokenizer files."""
+    def open(cls, path: str | Path, tokenizer_model: str | None = None,
+             tokenizer: Tokenizer | None = None) -> HFCheckpoint:
+        """Opens and checks `path` (see the module docstring); `tokenizer_model` (a path) or
+        `tokenizer` (built already, e.g. from a run's --tokenizer-type) overrides the directory's
+        own tokenizer files."""
         path = Path(path)
         if not path.is_dir():
             raise HFFormatError(f"--load-hf {path}: no such directory. Fix: a Hugging Face model directory "
@@ -77,7 +79,8 @@ class HFCheckpoint:
         config = llama_config_from_hf(hf_config, str(config_file))
         files = _index(path)
         shapes, dtypes = _headers(files)
-        checkpoint = cls(path, hf_config, config, _tokenizer(path, tokenizer_model, config), files, shapes, dtypes,
+        checkpoint = cls(path, hf_config, config, _tokenizer(path, tokenizer_model, tokenizer, config), files, shapes,
+                         dtypes,
                          {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()})
         checkpoint.sources()  # every tensor present with the config's shape
         return checkpoint
@@ -179,9 +182,10 @@ def _headers(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[s
     return shapes, dtypes
 
 
-def _tokenizer(path: Path, tokenizer_model: str | None, config: LlamaConfig) -> Tokenizer:
-    source = tokenizer_model or str(path)
-    tokenizer = tokenizer_from_path(source)  # a directory's end-of-document token is its eos_token
+def _tokenizer(path: Path, tokenizer_model: str | None, tokenizer: Tokenizer | None, config: LlamaConfig) -> Tokenizer:
+    source = "--tokenizer-type/--tokenizer-model" if tokenizer is not None else tokenizer_model or str(path)
+    if tokenizer is None:
+        tokenizer = tokenizer_from_path(source)  # a directory's end-of-document token is its eos_token
     if tokenizer.vocab_size > config.vocab_size:
         raise HFFormatError(
             f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but the model's embedding only "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from dtmega.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, tokenizer_from_json
+from dtmega.data.tokenizers import BPE_EOD, ByteTokenizer, SentencePieceTokenizer, tokenizer_from_json
 from dtmega.interop.hf_config import HFFormatError, hf_config_from_llama
 from dtmega.interop.hf_layout import hf_tensors
 from dtmega.models.llama_config import LlamaConfig
@@ -125,9 +125,10 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
 def _write_tokenizer(directory: Path, tokenizer, kept: dict[str, str], config: LlamaConfig) -> None:
     """tokenizer.json (or tokenizer.model) and the settings files transformers' AutoTokenizer
     reads; the source model's own settings when the checkpoint kept them."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return  # dtmega's byte tokenizer has no Hugging Face form; the weights and config are complete
-    if isinstance(tokenizer, SentencePieceTokenizer):
+    if isinstance(tokenizer, ByteTokenizer):  # as a byte-level BPE without merges: the same ids
+        (directory / "tokenizer.json").write_text(tokenizer.as_huggingface().to_str())
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BPE_EOD, "pad_token": "<|pad|>"}
+    elif isinstance(tokenizer, SentencePieceTokenizer):
         (directory / "tokenizer.model").write_bytes(tokenizer.proto)
         settings = {"tokenizer_class": "LlamaTokenizer", "eos_token": tokenizer.eod_token}
     else:

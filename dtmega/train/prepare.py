@@ -54,7 +54,7 @@ def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
     """(spec, config) of the model the arguments name: dtmega's Llama from Megatron's size flags
     (or a size preset), or a registered spec of another model with the tokenizer's vocabulary."""
     if args.load_hf:
-        return hf_model_of(args, tokenizer_vocab)
+        return hf_model_of(args)
     name = args.model or "llama"
     try:
         spec = model_spec(name)
@@ -69,7 +69,7 @@ def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
     return spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args))
 
 
-def hf_model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
+def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
     """`--load-hf`: dtmega's Llama with the Hugging Face model's config (every shard's header and
     the tokenizer checked now, before any process group or allocation). A tied model may be
     untied with --untie-embeddings-and-output-weights (pipeline parallelism needs it: the
@@ -81,11 +81,10 @@ def hf_model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
         raise ArgumentError(f"--load-hf {args.load_hf}: the model's sizes come from its config.json; "
                             f"{', '.join(([f'--model {args.model}'] if args.model else []) + given)} cannot change "
                             "them. Fix: leave them out")
-    config = HFCheckpoint.open(args.load_hf, args.tokenizer_model).config
-    if tokenizer_vocab > config.vocab_size:
-        raise ArgumentError(f"the tokenizer has {tokenizer_vocab} tokens but the model of --load-hf {args.load_hf} "
-                            f"embeds {config.vocab_size}. Fix: the tokenizer the data was preprocessed with must be "
-                            "the model's")
+    from dtmega.train.setup import tokenizer_spec
+
+    # the run's tokenizer (the directory's, or --tokenizer-type's), checked against the embedding
+    config = HFCheckpoint.open(args.load_hf, tokenizer=build_tokenizer(tokenizer_spec(args))).config
     if args.untie_embeddings_and_output_weights and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # the output layer starts as a copy of the embedding
     return model_spec("llama"), config

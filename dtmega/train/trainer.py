@@ -136,7 +136,7 @@ class Trainer:
         elif args.load_hf:
             from dtmega.interop.hf_checkpoint import HFCheckpoint
 
-            HFCheckpoint.open(args.load_hf, args.tokenizer_model).load_into(self.pm.module, self.config)
+            HFCheckpoint.open(args.load_hf, tokenizer=self.tokenizer).load_into(self.pm.module, self.config)
             self.console.print(f"started from the Hugging Face model {args.load_hf} (weights only: fresh optimizer "
                                "and iteration count)")
         self.loader = BatchLoader(

@@ -120,20 +120,16 @@ def test_trained_checkpoint_round_trip_dtmega_hf_dtmega_is_bitwise(tiny_checkpoi
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from dtmega.data.tokenizers import train_bpe
     from dtmega.interop.hf_export import export_hf
     from dtmega.interop.hf_import import import_hf
     from dtmega.train.checkpoint import resolve_checkpoint
-    from tests.corpus import make_texts
 
     export_hf(tiny_checkpoint, tmp_path / "hf")
-    # dtmega's byte tokenizer has no Hugging Face file: the export holds weights and config, and
-    # importing it again needs a tokenizer named with --tokenizer-model
-    assert not (tmp_path / "hf" / "tokenizer.json").exists()
-    with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tokenizer.model"):
-        HFCheckpoint.open(tmp_path / "hf")
-    train_bpe(make_texts(20, seed=1), 258, tmp_path / "bpe.json")
-    back = import_hf(tmp_path / "hf", tmp_path / "back", tokenizer_model=str(tmp_path / "bpe.json"))
+    # the run's byte tokenizer goes out as a byte-level BPE without merges: the same ids
+    exported = HFCheckpoint.open(tmp_path / "hf").tokenizer
+    text = "In the beginning, héllo ✓"
+    assert exported.encode(text) == list(text.encode("utf-8")) and exported.decode(exported.encode(text)) == text
+    back = import_hf(tmp_path / "hf", tmp_path / "back")
 
     def weights(path: Path) -> dict[str, torch.Tensor]:
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -315,3 +311,22 @@ def test_the_docs_name_table_is_the_mapping_the_code_uses():
     page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
     for ours, theirs in NAME_TABLE:
         assert f"| `{ours}` | `{theirs}`" in page, (ours, theirs)
+
+
+def test_train_load_hf_is_checked_before_launch(tiny_llama_dir, tmp_path, capsys):
+    """`dtmega train --load-hf`: the model's sizes come from config.json, --save-hf needs --save,
+    and a dry run plans the HF model (its tokenizer, its vocabulary) for 4 ranks."""
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["In the beginning"] * 50) + "\n")
+    assert dtmega_main(["preprocess", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
+                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tiny_llama_dir),
+                        "--append-eod", "--workers", "1"]) == 0
+    base = ["train", "--load-hf", str(tiny_llama_dir), "--data-path", str(tmp_path / "d_text_document"),
+            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+            "--lr", "1e-4"]
+    assert dtmega_main([*base, "--num-layers", "4", "--dry-run", "1"]) == 2
+    assert "sizes come from its config.json; --num-layers cannot change them" in capsys.readouterr().err
+    assert dtmega_main([*base, "--save-hf", str(tmp_path / "out"), "--dry-run", "1"]) == 2
+    assert "--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save" in capsys.readouterr().err
+    assert dtmega_main([*base, "--tensor-model-parallel-size", "2", "--dry-run", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "tp=2" in printed, printed[-2000:]

@@ -65,9 +65,14 @@ def read_hf_head(load_hf: str | Path) -> CheckpointHead:
     """The head of a Hugging Face model directory (config, tokenizer, every shard's header
     checked; no weight read): what `--load-hf` commands check a request against."""
     from dtmega.interop.hf_checkpoint import HFCheckpoint
+
+    return hf_head(HFCheckpoint.open(load_hf))
+
+
+def hf_head(checkpoint) -> CheckpointHead:
+    """The CheckpointHead an opened HFCheckpoint stands for (dtmega's Llama, iteration 0)."""
     from dtmega.interop.hf_import import hf_state
 
-    checkpoint = HFCheckpoint.open(load_hf)
     return CheckpointHead(checkpoint.path, hf_state(checkpoint), model_spec("llama"), checkpoint.config,
                           checkpoint.tokenizer)
 
@@ -109,8 +114,12 @@ def restore(
         else:
             mesh = dtmega.make_mesh(tp=tp, dp_shard=-1 if data_parallel else 1, device_type=device_type)
     whole_world = dist.is_initialized() and mesh.size() == dist.get_world_size()
+    hf = None
     if load_hf is not None:
-        head = read_hf_head(load_hf)
+        from dtmega.interop.hf_checkpoint import HFCheckpoint
+
+        hf = HFCheckpoint.open(load_hf)
+        head = hf_head(hf)
     else:
         head = read_head(load, custom_import, group=None if whole_world else LOCAL)  # the mesh's ranks share the work
     checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
@@ -125,10 +134,8 @@ def restore(
     if spec.materialize == "meta":
         pm.materialize()  # allocates and builds buffers; the weights are read next
     on_phase("reading the weights")
-    if load_hf is not None:
-        from dtmega.interop.hf_checkpoint import HFCheckpoint
-
-        HFCheckpoint.open(load_hf).load_into(pm.module)
+    if hf is not None:
+        hf.load_into(pm.module)
     else:
         load_checkpoint(checkpoint, pm.module, restore_rng=False)
     return pm, tokenizer, state

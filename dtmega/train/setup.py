@@ -6,6 +6,8 @@ runs identically on every rank and every bad combination fails before any collec
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dataclasses import dataclass
 
 from dtmega.data.tokenizers import TokenizerSpec
@@ -61,6 +63,9 @@ def reject_unsupported(args: TrainArgs) -> None:
         raise ArgumentError("--bf16 and --fp16 are exclusive; choose one")
     if args.save_hf and not args.save:
         raise ArgumentError("--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save")
+    if args.save_hf and Path(args.save_hf).is_dir() and any(Path(args.save_hf).iterdir()):
+        raise ArgumentError(f"--save-hf {args.save_hf} holds files; the export never overwrites. Fix: a new directory, "
+                            "or remove that one first")
 
 
 def run_shape(args: TrainArgs, world: int) -> RunShape:

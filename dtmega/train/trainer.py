@@ -217,14 +217,22 @@ class Trainer:
         return path
 
     def export_hf(self, checkpoint: Path) -> None:
-        """--save-hf: rank 0 writes the final checkpoint as a Hugging Face model; the others wait."""
-        if self.shape.world == 1 or dist.get_rank() == 0:
+        """--save-hf: rank 0 writes the final checkpoint as a Hugging Face model; the others wait
+        for its outcome, and a failure is raised on every rank (never a hang)."""
+        from dtmega.mesh import broadcast_object
+
+        problem = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
             from dtmega.interop.hf_export import export_hf
 
-            export_hf(checkpoint, self.args.save_hf)
-            self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                export_hf(checkpoint, self.args.save_hf)
+            except (ValueError, OSError) as error:
+                problem = f"--save-hf {self.args.save_hf}: {error} (the checkpoint {checkpoint} is saved)"
+        problem = broadcast_object(problem)
+        if problem:
+            raise ValueError(problem)
+        self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
 
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:

@@ -327,6 +327,10 @@ def test_train_load_hf_is_checked_before_launch(tiny_llama_dir, tmp_path, capsys
     assert "sizes come from its config.json; --num-layers cannot change them" in capsys.readouterr().err
     assert dtmega_main([*base, "--save-hf", str(tmp_path / "out"), "--dry-run", "1"]) == 2
     assert "--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert dtmega_main([*base, "--save", str(tmp_path / "s"), "--save-hf", str(tmp_path / "out"), "--dry-run", "1"]) == 2
+    assert "holds files; the export never overwrites" in capsys.readouterr().err
     assert dtmega_main([*base, "--tensor-model-parallel-size", "2", "--dry-run", "4"]) == 0
     printed = capsys.readouterr().out
     assert "tp=2" in printed, printed[-2000:]

@@ -122,5 +122,7 @@ def hf_config_from_llama(config: LlamaConfig, base: dict | None = None, dtype: s
     else:
         out.update({"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                     "router_aux_loss_coef": moe.aux_loss_coeff, "sliding_window": None})
+    if "torch_dtype" in out:  # transformers 4's name for the weights' dtype
+        out["torch_dtype"] = dtype
     out.setdefault("initializer_range", config.init_std)
     return out

@@ -68,4 +68,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":  # the torch_dist writer's spawned helper re-imports this file
+    # The process ends normally, not with os._exit as benchmarks/common.run_worker does: the
+    # torch_dist writer's spawned multiprocessing Manager is shut down at exit, and skipping that
+    # would leave it holding the caller's pipes open (the test waiting on them forever).
     main(sys.argv[1])

@@ -30,6 +30,9 @@ _EXPORTS = {
     "Plan": "dtmega.passes",
     "PlanError": "dtmega.passes",
     "Workload": "dtmega.passes",
+    "Hardware": "dtmega.cost.hardware",
+    "load_hardware": "dtmega.cost.hardware",
+    "CostEstimate": "dtmega.cost.estimate",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,10 +44,10 @@ def __getattr__(name: str) -> Any:
         importlib.import_module("dtmega.models")  # registers the reference models' rule sets
         value = globals()[name] = getattr(module, name)
         return value
-    if name in ("models", "passes", "kernels", "data", "train"):
+    if name in ("models", "passes", "kernels", "data", "train", "cost"):
         return importlib.import_module(f"dtmega.{name}")
     raise AttributeError(f"module 'dtmega' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*__all__, "models", "passes", "kernels", "data", "train", "__version__"])
+    return sorted([*__all__, "models", "passes", "kernels", "data", "train", "cost", "__version__"])

@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve,convert} [options]
+USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve,convert,plan,calibrate} [options]
 
   preprocess  JSONL -> Megatron .bin/.idx (tokenize, optionally train a BPE)
   train       pretrain with a parallel plan (Megatron pretrain_gpt.py flags or --config TOML)
@@ -16,6 +16,8 @@ USAGE = """usage: dtmega {preprocess,train,evaluate,generate,serve,convert} [opt
   generate    sample text from a checkpoint (greedy, top-k, top-p; KV cache; TP-aware)
   serve       HTTP server: Megatron's PUT /api, OpenAI's POST /v1/completions (batched; TP-aware)
   convert     checkpoints in and out: hf-to-dtmega, dtmega-to-hf, megatron-to-dtmega
+  plan        rank every legal parallel plan for a model, GPU count and workload (memory, step time, MFU)
+  calibrate   measure this machine's matmul rate, memory and collective bandwidth into a hardware file
 
 `dtmega <command> --help` lists a command's options. Set DTMEGA_TRACEBACK=1 to see the
 traceback behind an error message.
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         "generate": "dtmega.train.generate",
         "serve": "dtmega.serve.cli",
         "convert": "dtmega.interop.convert_cli",
+        "plan": "dtmega.cost.plan_cli",
+        "calibrate": "dtmega.cost.calibrate",
     }
     if command not in commands:
         print(USAGE, file=sys.stderr)

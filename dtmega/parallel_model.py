@@ -92,9 +92,18 @@ class ParallelModel(ModelWeights):
         return schedule_table(schedule, self.result(PipelineStages))
 
     def report(self, *, fold: bool = True) -> Table:
-        """A rich table of the layout with bytes per rank (`dtmega.console().print(pm.report())`)."""
+        """A rich table of the layout with bytes per rank (`dtmega.console().print(pm.report())`);
+        with a workload given to `parallelize`, the predicted per-rank budget below it (memory by
+        purpose, FLOPs, bytes per collective, and step time if a hardware was given)."""
         mesh = " x ".join(f"{axis}={size}" for axis, size in self.layout.mesh.items() if size > 1) or "1 rank"
-        return layout_table(self.layout, fold=fold, title=f"{self.layout[''].type} on {mesh}")
+        table = layout_table(self.layout, fold=fold, title=f"{self.layout[''].type} on {mesh}")
+        if self.layout.cost is None:
+            return table
+        both = Table.grid()
+        both.add_row(table)
+        both.add_row(self.layout.cost.table())
+        both.caption = table.caption
+        return both
 
     def parameters(self):
         """The (sharded) parameters, for the optimizer."""

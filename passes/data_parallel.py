@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from dtmega.passes.base import Pass
@@ -45,6 +45,7 @@ class DataParallel(Pass):
     reshard_after_forward: bool | None = None
     blocks: str | None = None
     shard_axis: str = "dp_shard"
+    offload: bool = False  # fp32 weights, gradients and the optimizer's step on the host (--cpu-optimizer)
     replicate_axis: str = "dp_replicate"
 
     provides = ("data_parallel",)
@@ -77,10 +78,14 @@ class DataParallel(Pass):
                 f"DataParallel(mode='hsdp') needs {self.replicate_axis} > 1 in the mesh; with {self.replicate_axis}=1 "
                 "it is plain FSDP. Fix: use mode='fsdp' or make_mesh(dp_replicate=...)"
             )
+        if self.offload and self.mode == "ddp":
+            raise PlanError("DataParallel(offload=True) keeps each rank's shard of the weights, gradients and optimizer "
+                            "state on the host, which needs sharded data parallelism. Fix: mode='fsdp' (or 'hsdp'); "
+                            "with flags, --use-distributed-optimizer with --cpu-optimizer")
         placement = program.result(ExpertPlacement)
         experts = set(placement.experts if placement else ())
         blocks = program.blocks(self.blocks)
-        if program.data_size() == 1:
+        if program.data_size() == 1 and not self.offload:
             self._annotate_one_rank(program)
             return
         for fqn, param in program.layout.params():
@@ -96,6 +101,8 @@ class DataParallel(Pass):
             for axis in axes:
                 param.placements[axis] = shard(dim)
         precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
+        if self.offload:
+            precision += " offload=cpu"
         for fqn in [*experts, *blocks, ""]:
             entry = program.layout[fqn]
             entry.wrap = self.mode
@@ -161,7 +168,7 @@ class DataParallel(Pass):
         return program.flat_submesh((self.replicate_axis, *shard_axes))
 
     def apply(self, program: Program) -> None:
-        if program.data_size() == 1:
+        if program.data_size() == 1 and not self.offload:
             precision = program.layout[""].precision or ""
             if precision.startswith("autocast="):
                 dtype = _dtype(self.param_dtype)
@@ -185,6 +192,8 @@ class DataParallel(Pass):
                     replicate(module, mesh=mesh, mp_policy=policy)
                 else:
                     placement = self._placement_fn(program, fqn, module) if fqn in experts else None
+                    if self.offload:
+                        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
                     fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=placement, **kwargs)
                 if fqn in experts:
                     # Expert gradients arrive summed over the expert-parallel group's tokens;

@@ -107,6 +107,9 @@ class Layout:
     stage_axis: str = "pp"
     # The passes' typed results as plain data, by result type name (see passes/results.py).
     results: dict[str, dict] = field(default_factory=dict)
+    # The cost analysis (dtmega.cost) of a plan checked with a workload: not part of the layout's
+    # data (never in its TOML or its equality), derived from it.
+    cost: Any = field(default=None, compare=False, repr=False)
 
     def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
         if entry.stage is None or self.stage_ranks is None:

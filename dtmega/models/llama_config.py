@@ -99,6 +99,9 @@ NAMED_CONFIGS: dict[str, LlamaConfig] = {
     ),
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    # Llama 2 13B (Llama 3 has no 13B): the seeds' "13B on 8 GPUs" row of docs/planning.md.
+    "llama2-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, ffn_dim=13824,
+                              rope_theta=10000.0, rope_scaling=None, max_seq_len=4096),
     "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
     # The debug model with a mixture of 8 experts (top-2) in every block.
     "debug-moe": LlamaConfig(

@@ -82,6 +82,13 @@ class TrainArgs:
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
     expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
     expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP; default TP)")
+    cpu_optimizer: bool = _opt(False, "keep fp32 weights, gradients and Adam state on the host and step there "
+                                      "(FSDP2's CPU offload; implies --data-parallel fsdp unless hsdp is given)")
+    cpu_optimizer_type: str = _opt("ADAM", "the host optimizer (AdamW, as on the device)", ("ADAM", "adam"))
+    auto_plan: bool = _opt(False, "choose TP, PP, CP, data parallelism, micro-batch, recompute and --cpu-optimizer "
+                                  "with the cost model (dtmega plan) for this world size")
+    hardware: str | None = _opt(None, "with --auto-plan: h100, h200, a100, b200 or a `dtmega calibrate` file "
+                                      "(default: the GPU found; required on a CPU)")
     recompute_granularity: str | None = _opt(None, "activation recompute", ("full", "selective"))
     recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")

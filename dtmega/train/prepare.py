@@ -110,11 +110,15 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     missing = [flag for flag, value in (("--train-iters", args.train_iters), ("--lr", args.lr)) if value is None]
     if missing or not args.data_path:
         raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
-    shape = run_shape(args, world)
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
-    spec, config = model_of(args, tokenizer.vocab_size)
     notes = []
+    if args.auto_plan:
+        from dtmega.train.auto_plan import apply_auto_plan
+
+        notes.append(apply_auto_plan(args, model_of(args, tokenizer.vocab_size)[1], world))
+    shape = run_shape(args, world)
+    spec, config = model_of(args, tokenizer.vocab_size)
     fresh = fresh_start_note(args.load, args.save)
     if fresh is not None:
         notes.append(fresh)

@@ -132,7 +132,7 @@ def data_parallel_mode(args: TrainArgs) -> str:
     """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
     if args.data_parallel:
         return args.data_parallel
-    return "fsdp" if args.use_distributed_optimizer else "ddp"
+    return "fsdp" if args.use_distributed_optimizer or args.cpu_optimizer else "ddp"
 
 
 def padded_vocab(vocab: int, args: TrainArgs) -> int:
@@ -269,7 +269,12 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     if float8 is not None:
         passes.append(float8)
     precision = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    passes.append(DataParallel(data_parallel_mode(args), param_dtype=precision, reduce_dtype="float32"))
+    mode = data_parallel_mode(args)
+    if args.cpu_optimizer and mode == "ddp":
+        raise ArgumentError("--cpu-optimizer keeps each rank's shard of the weights, gradients and Adam state on the "
+                            "host, which needs sharded data parallelism. Fix: --data-parallel fsdp (or hsdp), or drop "
+                            "--data-parallel ddp")
+    passes.append(DataParallel(mode, param_dtype=precision, reduce_dtype="float32", offload=args.cpu_optimizer))
     if args.compile:
         passes.append(Compile(backend=args.compile))
     return Plan(passes)

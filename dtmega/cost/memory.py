@@ -1,0 +1,192 @@
+"""Peak memory per rank: what each byte is for, from the model's shapes and the plan's sizes.
+
+The formulas (docs/planning.md derives each one from what dtmega's Llama saves for backward,
+checked against autograd's saved tensors in tests/unit/test_cost_model.py):
+
+- weights, gradients: fp32 master copies, sharded over the FSDP ranks; Adam: two fp32 states;
+  with `--cpu-optimizer` all three live on the host;
+- gathered: FSDP's unsharded parameters in the compute dtype (the root and two blocks: the one
+  running and the one prefetched; every block of a pipeline stage, which is never resharded
+  between micro-batches), one block's unsharded fp32 gradients before its reduce-scatter; one
+  data rank under autocast holds the 16-bit casts of every matmul weight through the step;
+- activations, per token of a micro-batch per block (e bytes per element of the compute dtype,
+  t = tp, s = sequence-parallel divisor): norms (h·e + 4)/s each (2·h·e + 4 unfused), the two
+  gathered linear inputs 2·h·e, q, k, v and the attention output (2·qd + 2·kvd)·e/t plus the
+  log-sum-exp 4·H/t, the MLP 3·f·e/t (4·f·e/t unfused); selective recompute drops the
+  log-sum-exp, full recompute keeps h·e/s (the block input) plus one block's worth while it
+  recomputes; micro-batches in flight per pipeline schedule;
+- loss: the logits and their gradient (e + 4 + 4 + 4 bytes per token per vocabulary entry /tp,
+  unfused), or one ~256 MiB chunk of the fused loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from dtmega.cost.shapes import DTYPE_BYTES, ModelShape, PlanShape
+
+FUSED_LOSS_CHUNK_BYTES = 256 * 2**20  # FuseKernels' default chunk of fp32 logits
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one rank's device at its peak, by purpose (`host`: on the CPU, not counted)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    optimizer_temps: float  # the optimizer step's temporaries (torch's foreach AdamW: two per parameter)
+    gathered: float
+    activations: float
+    loss: float
+    accumulating: bool = False  # gradients live through the forward (accumulation over micro-batches)
+    host: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        """Peak device bytes: weights and optimizer state, plus the largest of the phases: the end
+        of a forward (gathered weights, activations, the loss's logits; gradients already there when
+        micro-batches accumulate), and the optimizer step (gradients and its temporaries)."""
+        forward = self.gathered + self.activations + self.loss + (self.gradients if self.accumulating else 0.0)
+        return self.weights + self.optimizer + max(forward, self.gradients + self.optimizer_temps)
+
+    def rows(self) -> list[tuple[str, float]]:
+        """(name, bytes) for a table."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "accumulating"]
+
+
+def params_per_rank(model: ModelShape, plan: PlanShape, *, first: bool, last: bool,
+                    layers: int | None = None) -> tuple[float, float]:
+    """(dense, expert) parameters a pipeline rank holds before FSDP sharding: its blocks' TP
+    shards (`layers` of them; default: the first or last rank's), the embedding on the first
+    rank and the output layer and final norm on the last."""
+    if layers is None:
+        layers = plan.layers_per_rank(model, 0 if first else plan.pp - 1)
+    moe_fraction = model.moe_layers / model.layers
+    moe_layers, dense_layers = layers * moe_fraction, layers * (1 - moe_fraction)
+    attention = model.attention_params() / plan.tp + 2 * model.dim
+    dense = dense_layers * (attention + model.dense_mlp_params() / plan.tp)
+    dense += moe_layers * (attention + model.dim * model.experts + 3 * model.dim * model.shared_ffn / plan.tp)
+    experts = moe_layers * model.expert_params() / (plan.tp * plan.ep)
+    table = model.vocab * model.dim / plan.tp
+    if first:
+        dense += table
+    if last:
+        dense += (0 if (model.tied and first) else table) + model.dim
+    return dense, experts
+
+
+def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute: str | None = None) -> float:
+    """Bytes one block saves for backward per token of a micro-batch on this rank."""
+    e = DTYPE_BYTES[plan.dtype]
+    h, t = model.dim, plan.tp
+    s = t if plan.sp else 1
+    compact = plan.fused_kernels or plan.compiled  # fused (or compiler-fused) norms and SwiGLU
+    policy = recompute or plan.recompute
+    if policy == "full":
+        return h * e / s
+    norm = (h * e + 4) if compact else (2 * h * e + 4)
+    attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t
+    if plan.cp > 1 and plan.cp_method == "all_gather":
+        attention += 2 * model.kv_dim * e * (plan.cp - 1) / t  # the gathered keys and values of the whole sequence
+    lse = 4 * model.heads / t
+    moe_fraction = model.moe_layers / model.layers
+    mlp = (3 if compact else 4) * model.ffn * e / t
+    if model.experts:
+        routed = model.top_k * (model.capacity_factor or 1.0)  # dropless: even routing on average
+        # per routed copy of a token: its dispatched input, the expert's MLP, its output and the
+        # weighted output; the router's scores and choices (fp32) per token
+        expert_mlp = routed * (3 * h * e + (3 if compact else 4) * model.expert_ffn * e / t) + \
+            8 * model.experts + 8 * model.top_k
+        expert_mlp += (3 if compact else 4) * model.shared_ffn * e / t
+        mlp = (1 - moe_fraction) * mlp + moe_fraction * expert_mlp
+    saved = 2 * norm / s + 2 * h * e + attention + mlp
+    return saved if policy == "selective" else saved + lse
+
+
+def in_flight(model: ModelShape, plan: PlanShape, pp_rank: int) -> float:
+    """Micro-batches x blocks whose activations pipeline rank `pp_rank` holds at once."""
+    layers = plan.layers_per_rank(model, pp_rank)
+    m = plan.microbatches
+    if plan.pp == 1:
+        return layers
+    if plan.schedule == "gpipe":
+        return m * layers
+    if plan.vp > 1:  # Megatron's interleaved warm-up: 2(pp - r - 1) + (vp - 1) pp chunks, then one more
+        chunks = min(m * plan.vp, 2 * (plan.pp - pp_rank - 1) + (plan.vp - 1) * plan.pp + 1)
+        return chunks * layers / plan.vp
+    return min(m, plan.pp - pp_rank) * layers
+
+
+def memory(model: ModelShape, plan: PlanShape, seq: int) -> MemoryBreakdown:
+    """The busiest rank's peak: the first and the last pipeline rank are both estimated."""
+    ranks = sorted({0, min(1, plan.pp - 1), plan.pp - 1})  # first, a middle one, last
+    return max((_rank_memory(model, plan, seq, r) for r in ranks), key=lambda m: m.peak)
+
+
+def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> MemoryBreakdown:
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    e = DTYPE_BYTES[plan.dtype]
+    layers = plan.layers_per_rank(model, pp_rank)
+    dense, experts = params_per_rank(model, plan, first=first, last=last, layers=layers)
+    shard = plan.fsdp_ranks
+    expert_shard = max(1, shard // plan.ep) if shard > 1 else 1
+    local = dense / shard + experts / expert_shard
+    weights, gradients, optimizer = 4 * local, 4 * local, 8 * local
+    host = 0.0
+    if plan.cpu_optimizer:
+        host, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
+    block = (dense + experts - _table_params(model, plan, first, last)) / layers
+    table = _table_params(model, plan, first, last)
+    gathered = 0.0
+    if plan.wrapped and shard > 1 or plan.cpu_optimizer:
+        units = layers if plan.pp > 1 else min(2, layers)
+        gathered = (units * block + table) * e + 4 * block  # + one unit's unsharded fp32 gradients
+        if plan.pp > 1:
+            gathered += 4 * (units - 1) * block  # unsharded gradients accumulate over micro-batches
+    elif plan.wrapped and plan.dp_mode == "ddp":
+        # DDP is FSDP2's replicate: its "unsharded" parameters are a second copy in the compute
+        # dtype, kept from forward through backward; under a pipeline, the stage's fp32 gradients
+        # accumulate unsharded over the micro-batches too
+        gathered = (dense + experts) * (e + (4 if plan.pp > 1 else 0))
+    elif not plan.wrapped and e < 4:
+        gathered = (dense + experts - model.dim * 2 * layers) * e  # autocast's weight casts
+    tokens = plan.micro_batch * seq / plan.cp
+    per_token = activation_bytes_per_token(model, plan)
+    activations = in_flight(model, plan, pp_rank) * tokens * per_token
+    if plan.recompute == "full":
+        activations += tokens * activation_bytes_per_token(model, plan, recompute="none")
+    if first:
+        activations += 0.0  # the embedding's backward needs only the token ids
+    loss = 0.0
+    if last:
+        vocab = model.vocab / plan.tp
+        norm = model.dim * e + 4
+        loss = tokens * (norm + model.dim * e)  # final norm and the output layer's input
+        if plan.fused_loss:
+            loss += 2 * min(FUSED_LOSS_CHUNK_BYTES, tokens * vocab * 4) + tokens * model.dim * 4
+        else:
+            loss += tokens * vocab * (e + (4 if e < 4 else 0) + 4 + 4)
+    temps = 0.0 if plan.fused_optimizer else 8 * local
+    if plan.cpu_optimizer:
+        temps = 0.0  # on the host too
+    return MemoryBreakdown(weights, gradients, optimizer, temps, gathered, activations, loss, plan.microbatches > 1, host)
+
+
+def _table_params(model: ModelShape, plan: PlanShape, first: bool, last: bool) -> float:
+    """Embedding and output parameters on this pipeline rank (TP shard, before FSDP)."""
+    table = model.vocab * model.dim / plan.tp
+    count = (table if first else 0) + ((0 if (model.tied and first) else table) + model.dim if last else 0)
+    return count
+
+
+def gib(value: float) -> float:
+    """Bytes as GiB."""
+    return value / 2**30
+
+
+def fits(breakdown: MemoryBreakdown, capacity: float, headroom: float = 0.9) -> bool:
+    """Whether the peak fits `capacity` with room for the allocator's fragmentation and the
+    CUDA context (`headroom` of the device usable)."""
+    return breakdown.peak <= capacity * headroom and not math.isnan(breakdown.peak)

@@ -1,0 +1,157 @@
+"""What the cost model reads: the model's shapes and the plan's choices, as plain numbers.
+
+`PlanShape` is the same plan the passes annotate, said in sizes (TP 8, PP 4 x 2 virtual, CP 2
+ring, FSDP over 16, ...); `plan_shape_of(program)` reads it back from an annotated layout, so the
+estimate of a checked plan and of a plan the search proposes come from one set of formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from dtmega.models.llama_config import LlamaConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-family decoder's sizes (dense or mixture of experts)."""
+
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    moe_layers: int = 0
+    shared_ffn: int = 0
+    capacity_factor: float | None = None
+
+    @classmethod
+    def of(cls, config: LlamaConfig) -> "ModelShape":
+        """The sizes of a dtmega Llama config."""
+        moe = config.moe
+        moe_layers = sum(moe.is_moe_layer(i) for i in range(config.n_layers)) if moe else 0
+        return cls(config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
+                   config.tie_embeddings, moe.num_experts if moe else 0, moe.top_k if moe else 0,
+                   moe.ffn_dim if moe else 0, moe_layers, moe.shared_expert_ffn_dim if moe else 0,
+                   moe.capacity_factor if moe else None)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """wq, wk, wv, wo of one block."""
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.dim * self.ffn
+
+    def expert_params(self) -> int:
+        """All routed experts of one MoE block."""
+        return 3 * self.dim * self.expert_ffn * self.experts
+
+    def total_params(self) -> int:
+        """Every parameter (as LlamaConfig.num_params counts them)."""
+        dense_layers = self.layers - self.moe_layers
+        moe_block = self.attention_params() + self.expert_params() + self.dim * self.experts + \
+            3 * self.dim * self.shared_ffn + 2 * self.dim
+        dense_block = self.attention_params() + self.dense_mlp_params() + 2 * self.dim
+        return dense_layers * dense_block + self.moe_layers * moe_block + \
+            self.vocab * self.dim * (1 if self.tied else 2) + self.dim
+
+    def flops_per_token(self, seq: int) -> float:
+        """Model FLOPs per trained token (forward + backward), PaLM's accounting, as the trainer's
+        MFU counts them: 6 x active non-embedding parameters + 12 x layers x dim x seq."""
+        idle = 3 * self.dim * self.expert_ffn * (self.experts - self.top_k) * self.moe_layers
+        active = self.total_params() - idle - (0 if self.tied else self.vocab * self.dim)
+        return 6.0 * active + 12.0 * self.layers * self.dim * seq
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """A plan in sizes. `dp` counts every data-parallel rank (EP borrows from them); FSDP shards
+    dense weights over `fsdp_ranks` and experts over `fsdp_ranks / ep`."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vp: int = 1
+    schedule: str = "1f1b"
+    cp: int = 1
+    cp_method: str = "ring"
+    dp: int = 1
+    dp_mode: str = "fsdp"  # fsdp | hsdp | ddp
+    dp_shard: int = 1  # HSDP: ranks one replica shards over (dp for fsdp)
+    ep: int = 1
+    micro_batch: int = 1
+    microbatches: int = 1
+    recompute: str = "none"  # none | selective | full
+    fused_kernels: bool = False
+    fused_loss: bool = False
+    compiled: bool = False
+    cpu_optimizer: bool = False
+    fused_optimizer: bool = False  # one fused AdamW kernel (GPUs) instead of torch's foreach (temporaries)
+    dtype: str = "float32"  # compute dtype (parameters stay fp32: master weights)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks each dense weight is sharded over (1 under DDP or one data rank)."""
+        if self.dp_mode == "ddp" or self.dp * self.cp == 1:
+            return 1
+        return (self.dp if self.dp_mode == "fsdp" else self.dp_shard) * self.cp
+
+    @property
+    def wrapped(self) -> bool:
+        """FSDP/DDP units exist (one data rank trains unwrapped, unless the optimizer is offloaded)."""
+        return self.dp * self.cp > 1 or self.cpu_optimizer
+
+    def with_(self, **changes) -> "PlanShape":
+        return replace(self, **changes)
+
+    def layers_per_rank(self, model: ModelShape, pp_rank: int | None = None) -> int:
+        """Blocks on pipeline rank `pp_rank` (None: the busiest): an even split, or where the
+        blocks do not divide, Megatron's uneven split (first and last stages take what the
+        middle ones, ceil(layers / pp) each, leave; `dtmega plan` writes those flags)."""
+        per = math.ceil(model.layers / self.pp)
+        if pp_rank is None or model.layers % self.pp == 0 or self.pp < 3:
+            return per
+        if pp_rank in (0, self.pp - 1):
+            return (model.layers - (self.pp - 2) * per) // 2
+        return per
+
+    def describe(self) -> str:
+        """One line: 'TP4+SP PP4x2 CP2(ring) FSDP16 EP1 mb1 recompute=full'."""
+        parts = [f"TP{self.tp}" + ("+SP" if self.sp else "")]
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}" + (f"x{self.vp}" if self.vp > 1 else "") + f"({self.schedule})")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}({self.cp_method})")
+        parts.append(f"{self.dp_mode.upper()}{self.dp}" + (f"/{self.dp_shard}" if self.dp_mode == "hsdp" else ""))
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append(f"mb{self.micro_batch}x{self.microbatches}")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        if self.cpu_optimizer:
+            parts.append("cpu-optimizer")
+        return " ".join(parts)

@@ -191,9 +191,21 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['memory_ratio']:.2f}", f"{row['predicted_s']:.3f}", f"{row['measured_s']:.3f}",
                       f"{row['time_ratio']:.2f}")
     console().print(table)
+    # ranking: every pair of plans whose measured times differ by more than 10 % must be
+    # ordered the same way by the predictions
+    pairs, disagree = 0, []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if abs(a["measured_s"] - b["measured_s"]) / min(a["measured_s"], b["measured_s"]) <= 0.10:
+                continue
+            pairs += 1
+            if (a["measured_s"] < b["measured_s"]) != (a["predicted_s"] < b["predicted_s"]):
+                disagree.append(f"{a['plan']} vs {b['plan']}")
+    console().print(f"ranking: {pairs} pairs of plans apart by more than 10 % measured, {len(disagree)} ordered "
+                    f"otherwise by the prediction{': ' + '; '.join(disagree) if disagree else ''}", highlight=False)
     result = {"command": " ".join(["python", "benchmarks/cost_model.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "hardware": str(hardware), "hardware_file": Path(hardware).read_text(),
-              "rows": rows}
+              "rows": rows, "ranking_pairs": pairs, "ranking_disagreements": disagree}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     return result

@@ -71,7 +71,7 @@ def measure_rank(device: str, seconds: float) -> dict[str, float]:
             a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
             b = torch.randn(k, n, device=device, dtype=getattr(torch, dtype))
             dist.barrier()
-            best = max(best, 2 * m * k * n / _timed(lambda: torch.mm(a, b), seconds, sync))
+            best = max(best, 2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), seconds, sync))
         figures[f"flops_{dtype}"] = best
     big = torch.empty(64 * 2**20 // 4 if device == "cpu" else 2**28, device=device)
     copy = torch.empty_like(big)

@@ -12,6 +12,7 @@ the chosen plan as `dtmega train` flags; `--out` writes it as a `dtmega train --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from dtmega.cost.estimate import CostEstimate, estimate
+from dtmega.cost.estimate import CostEstimate
 from dtmega.cost.hardware import BUILT_IN, load_hardware
-from dtmega.cost.memory import gib, memory
+from dtmega.cost.memory import gib
 from dtmega.cost.plan_flags import as_flags, train_options
 from dtmega.cost.search import SearchResult, Workload, matches, parse_plan_spec, search
 from dtmega.cost.shapes import ModelShape
@@ -89,8 +90,8 @@ def run_search(args: argparse.Namespace) -> tuple[ModelShape, Workload, SearchRe
     if args.fp8:
         if "float8" not in hardware.peak_flops:
             raise PlanArgumentError(f"--fp8: {hardware.name} lists no FP8 rate (H100, H200 and B200 do)")
-        hardware = hardware.__class__(**{**hardware.__dict__, "peak_flops": {**hardware.peak_flops,
-                                                                             "bfloat16": hardware.peak_flops["float8"]}})
+        hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops,
+                                                             "bfloat16": hardware.peak_flops["float8"]})
     work = Workload(args.seq_length, args.global_batch_size, args.dtype)
     specs = [parse_plan_spec(text, model, args.gpus, work) for text in args.compare]
     result = search(model, args.gpus, min(args.gpus_per_node, args.gpus), work, hardware, headroom=args.headroom,
@@ -187,4 +188,3 @@ def best_plan(model: ModelShape, gpus: int, gpus_per_node: int, work: Workload, 
     return result.ranked[0]
 
 
-__all__ = ["main", "best_plan", "build_parser", "estimate", "memory"]

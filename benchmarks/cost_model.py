@@ -71,32 +71,11 @@ def model_config(moe: bool):
                        if moe else None)
 
 
-def peak_tracker():
-    """torch's MemTracker counting every storage's bytes (resizes included, as FSDP2 frees and
-    refills its unsharded parameters) without its per-module statistics, which refuse a module
-    called more than once in a step (micro-batches, pipeline schedules)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs) -> None:
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs) -> None:
-            pass
-
-        def _pre_bw_hook(self, module, args) -> None:
-            pass
-
-        def _post_bw_hook(self, module, args) -> None:
-            pass
-
-    return PeakTracker()
-
-
 def worker(names: list[str], out: Path) -> None:
     from tensordict import TensorDict
 
     import dtmega
+    from dtmega.cost.memory_count import step_peak_bytes
     from dtmega.models import Llama
     from dtmega.train.optim import adamw
 
@@ -120,11 +99,7 @@ def worker(names: list[str], out: Path) -> None:
             optimizer.zero_grad(set_to_none=True)
 
         step()  # warm-up: the optimizer's state exists from here on
-        tracker = peak_tracker()
-        tracker.track_external(pm.module, optimizer)
-        with tracker:
-            step()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        peak = step_peak_bytes(step, pm.module, optimizer, torch.device("cpu"))
         times = []
         for _ in range(STEPS):
             dist.barrier()

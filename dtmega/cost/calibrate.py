@@ -55,6 +55,15 @@ def _timed(fn, seconds: float, sync, runs_wanted: int | None = None) -> float:
     return statistics.median(runs)
 
 
+def matmul_flops(m: int, k: int, n: int, dtype: str, device: str, seconds: float) -> float:
+    """FLOP/s of an [m, k] x [k, n] matmul in `dtype` on `device`: the median call over about
+    `seconds` of repeats (the trainer's CPU MFU peak reads it too)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(k, n, device=device, dtype=getattr(torch, dtype))
+    return 2 * m * k * n / _timed(lambda: torch.mm(a, b), seconds, sync)
+
+
 def measure_rank(device: str, seconds: float) -> dict[str, float]:
     """This process's figures (every rank runs it at the same time)."""
     import torch.distributed as dist
@@ -68,10 +77,8 @@ def measure_rank(device: str, seconds: float) -> dict[str, float]:
         best = 0.0
         # most CPUs have no fast bf16 matmul: one small shape says so without minutes of waiting
         for m, k, n in shapes if device == "cuda" or dtype == "float32" else [(256, 256, 256)]:
-            a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
-            b = torch.randn(k, n, device=device, dtype=getattr(torch, dtype))
             dist.barrier()
-            best = max(best, 2 * m * k * n / _timed(lambda a=a, b=b: torch.mm(a, b), seconds, sync))
+            best = max(best, matmul_flops(m, k, n, dtype, device, seconds))
         figures[f"flops_{dtype}"] = best
     big = torch.empty(64 * 2**20 // 4 if device == "cpu" else 2**28, device=device)
     copy = torch.empty_like(big)

@@ -90,43 +90,64 @@ def collectives(model: ModelShape, plan: PlanShape, seq: int) -> list[Collective
     if plan.ep > 1 and model.experts:
         moe_layers = layers * model.moe_layers / model.layers
         routed = tokens * model.top_k * h * e
-        # dispatch and combine forward, their transposes backward
+        # dispatch and combine forward, their transposes backward: an EP group's ranks send
+        # `routed` each on average (uneven splits: the rows follow the router), and each
+        # forward dispatch first exchanges the rows per expert (int64)
         count = 2 * moe_layers * mbs * (forwards + 1)
-        out.append(Collective("ep", "all_to_all", count, count * routed, plan.ep, False))
+        sizes = moe_layers * mbs * forwards
+        out.append(Collective("ep", "all_to_all", count + sizes, count * routed + sizes * model.experts * 8, plan.ep,
+                              False))
     if plan.pp > 1:
-        sends = 2 * plan.vp * mbs  # activations forward, their gradients backward, per chunk
-        out.append(Collective("pp", "send", sends, sends * act, 2, False))
+        # per micro-batch, each of a rank's chunks sends its activations to the next stage and
+        # gradients to the one before, except at the pipeline's ends: the busiest rank is a
+        # middle one (2 per chunk), or with two ranks either (one fewer); the loss comes back
+        # from the last stage (one fp32 all-reduce, and the MoE balancing loss's)
+        sends = mbs * (2 * plan.vp - (1 if plan.pp == 2 else 0))
+        scalars = 2 if model.experts else 1
+        out += [Collective("pp", "send", sends, sends * act, 2, False),
+                Collective("pp", "all_reduce", scalars, 4 * scalars, plan.pp, False)]
     out += _data_parallel(model, plan)
     return [c for c in out if c.count > 0]
 
 
 def _data_parallel(model: ModelShape, plan: PlanShape) -> list[Collective]:
     """FSDP all-gathers (forward, and again in backward for resharded blocks) and the gradient
-    reduce-scatter; DDP's all-reduce; HSDP's reduce-scatter inside a replica and all-reduce across."""
+    reduce-scatter; DDP's all-reduce; HSDP's reduce-scatter inside a replica and all-reduce across.
+    Under expert parallelism each MoE layer's experts are a unit of their own, on the data ranks
+    that hold the same experts (`dp_expert`, data / ep of them); dense weights use every data rank."""
     from dtmega.cost.memory import params_per_rank
 
     if plan.dp * plan.cp == 1:
         return []
     e = DTYPE_BYTES[plan.dtype]
     dense, experts = params_per_rank(model, plan, first=True, last=plan.pp == 1)
-    full = dense + experts
+    units = plan.layers_per_rank(model, 0)
+    expert_units = units * model.moe_layers / model.layers if plan.ep > 1 and model.experts else 0
+    if not expert_units:  # experts (if any) are part of their block's unit
+        dense, experts = dense + experts, 0.0
     data = plan.dp * plan.cp
-    scalars = Collective("dp", "all_reduce", 2, 8, data, False)  # the step's loss and token count (fp32)
+    # the step's loss and token count (fp32), and the MoE balancing loss
+    scalars = Collective("dp", "all_reduce", 3 if model.experts else 2, 12 if model.experts else 8, data, False)
     if plan.dp_mode == "ddp":  # one all-reduce of fp32 gradients per unit (each block and the root)
-        units = plan.layers_per_rank(model, 0) + 1
-        return [Collective("dp", "all_reduce", units, 4 * full, data, True), scalars]
+        return [Collective("dp", "all_reduce", units + 1, 4 * dense, data, True),
+                Collective("dp_expert", "all_reduce", expert_units, 4 * experts, data // plan.ep, True), scalars]
     table = model.vocab * model.dim / plan.tp
-    blocks = full - table - (table if plan.pp == 1 and not model.tied else 0)
+    root = table + (table if plan.pp == 1 and not model.tied else 0) + (model.dim if plan.pp == 1 else 0)
+    blocks = dense - root
     regathers = 0 if plan.pp > 1 else 1  # pipeline stages keep blocks unsharded between micro-batches
     mbs = 1 if plan.pp > 1 else plan.microbatches
-    gathered = (full + blocks * regathers) * e * mbs
     shard_ranks = plan.fsdp_ranks
-    units = plan.layers_per_rank(model, 0)
     # each block and the root all-gather forward, the (resharded) blocks again backward; each
     # unit reduce-scatters its fp32 gradients once per step
-    out = [Collective("dp_shard", "all_gather", mbs * (units * (1 + regathers) + 1), gathered, shard_ranks, True),
-           Collective("dp_shard", "reduce_scatter", units + 1, 4 * full, shard_ranks, True)]
+    expert_ranks = max(1, shard_ranks // plan.ep)
+    out = [Collective("dp_shard", "all_gather", mbs * (units * (1 + regathers) + 1), (dense + blocks * regathers) * e * mbs,
+                      shard_ranks, True),
+           Collective("dp_shard", "reduce_scatter", units + 1, 4 * dense, shard_ranks, True),
+           Collective("dp_expert", "all_gather", mbs * expert_units * (1 + regathers), experts * e * mbs * (1 + regathers),
+                      expert_ranks, True),
+           Collective("dp_expert", "reduce_scatter", expert_units, 4 * experts, expert_ranks, True)]
     if plan.dp_mode == "hsdp":
         replicas = data // shard_ranks
-        out.append(Collective("dp_replicate", "all_reduce", units + 1, 4 * full / shard_ranks, replicas, True))
+        out += [Collective("dp_replicate", "all_reduce", units + 1, 4 * dense / shard_ranks, replicas, True),
+                Collective("dp_replicate", "all_reduce", expert_units, 4 * experts / expert_ranks, replicas, True)]
     return [*out, scalars]

@@ -81,17 +81,25 @@ class Hardware:
 
 
 _T, _G = 1e12, 1e9
+
+
+def _datasheet(gpu: str, fp8: float | None = None) -> dict[str, float]:
+    """Peak dense matmul FLOP/s by dtype from the trainer's datasheet table (one table for the
+    planner and the trainer's MFU), with the FP8 rate where the GPU has one."""
+    from dtmega.train.metrics import GPU_PEAK_TFLOPS
+
+    half, single = GPU_PEAK_TFLOPS[gpu]
+    rates = {"bfloat16": half * _T, "float16": half * _T, "float32": single * _T}
+    return {"float8": fp8 * _T, **rates} if fp8 else rates
+
+
 BUILT_IN: dict[str, Hardware] = {
     # NVLink 4: 900 GB/s per GPU bidirectional, ~370 GB/s bus bandwidth measured by nccl-tests;
     # InfiniBand NDR 400 Gb/s per GPU: ~45 GB/s.
-    "h100": Hardware("h100", 80e9, {"float8": 1979 * _T, "bfloat16": 989.4 * _T, "float16": 989.4 * _T,
-                                    "float32": 66.9 * _T}, 3.35e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
-    "h200": Hardware("h200", 141e9, {"float8": 1979 * _T, "bfloat16": 989.4 * _T, "float16": 989.4 * _T,
-                                     "float32": 66.9 * _T}, 4.8e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
-    "a100": Hardware("a100", 80e9, {"bfloat16": 312 * _T, "float16": 312 * _T, "float32": 19.5 * _T},
-                     2.0e12, 230 * _G, 22 * _G, 6e-6, 25e-6, 0.55, 5e-6),
-    "b200": Hardware("b200", 180e9, {"float8": 4500 * _T, "bfloat16": 2250 * _T, "float16": 2250 * _T,
-                                     "float32": 80 * _T}, 8.0e12, 740 * _G, 90 * _G, 5e-6, 20e-6, 0.55, 4e-6),
+    "h100": Hardware("h100", 80e9, _datasheet("H100", 1979), 3.35e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
+    "h200": Hardware("h200", 141e9, _datasheet("H200", 1979), 4.8e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
+    "a100": Hardware("a100", 80e9, _datasheet("A100"), 2.0e12, 230 * _G, 22 * _G, 6e-6, 25e-6, 0.55, 5e-6),
+    "b200": Hardware("b200", 180e9, _datasheet("B200", 4500), 8.0e12, 740 * _G, 90 * _G, 5e-6, 20e-6, 0.55, 4e-6),
 }
 
 

@@ -157,8 +157,7 @@ def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> 
     activations = in_flight(model, plan, pp_rank) * tokens * per_token
     if plan.recompute == "full":
         activations += tokens * activation_bytes_per_token(model, plan, recompute="none")
-    if first:
-        activations += 0.0  # the embedding's backward needs only the token ids
+    # (the embedding's backward needs only the token ids: nothing for the first rank)
     loss = 0.0
     if last:
         vocab = model.vocab / plan.tp

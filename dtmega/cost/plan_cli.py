@@ -93,7 +93,7 @@ def run_search(args: argparse.Namespace) -> tuple[ModelShape, Workload, SearchRe
         hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops,
                                                              "bfloat16": hardware.peak_flops["float8"]})
     work = Workload(args.seq_length, args.global_batch_size, args.dtype)
-    specs = [parse_plan_spec(text, model, args.gpus, work) for text in args.compare]
+    specs = [parse_plan_spec(text) for text in args.compare]
     result = search(model, args.gpus, min(args.gpus_per_node, args.gpus), work, hardware, headroom=args.headroom,
                     max_micro_batch=args.max_micro_batch, allow_cpu_optimizer=not args.no_cpu_optimizer)
     return model, work, result, (hardware, specs)

@@ -146,7 +146,7 @@ def search(model: ModelShape, gpus: int, gpus_per_node: int, work: Workload, har
     return result
 
 
-def parse_plan_spec(text: str, model: ModelShape, gpus: int, work: Workload) -> dict[str, object]:
+def parse_plan_spec(text: str) -> dict[str, object]:
     """'tp=4,pp=4,cp=1' (any of tp, pp, vp, cp, dp, ep, mb, recompute, mode) -> constraints."""
     known = {"tp": int, "pp": int, "vp": int, "cp": int, "dp": int, "ep": int, "mb": int, "recompute": str,
              "mode": str, "cp_method": str}

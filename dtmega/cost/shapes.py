@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.moe_config import MoEConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
@@ -66,21 +68,27 @@ class ModelShape:
         """All routed experts of one MoE block."""
         return 3 * self.dim * self.expert_ffn * self.experts
 
+    @cached_property
+    def config(self) -> LlamaConfig:
+        """The same sizes as a LlamaConfig (MoE blocks after the dense ones), whose own counts
+        (`num_params`, the trainer's FLOPs per token) the cost model uses: one formula each."""
+        moe = MoEConfig(num_experts=self.experts, top_k=self.top_k, ffn_dim=self.expert_ffn,
+                        first_dense_layers=self.layers - self.moe_layers, shared_expert_ffn_dim=self.shared_ffn,
+                        capacity_factor=self.capacity_factor) if self.experts else None
+        return LlamaConfig(dim=self.dim, n_layers=self.layers, n_heads=self.heads, n_kv_heads=self.kv_heads,
+                           vocab_size=self.vocab, ffn_dim=self.ffn, tie_embeddings=self.tied, moe=moe)
+
     def total_params(self) -> int:
-        """Every parameter (as LlamaConfig.num_params counts them)."""
-        dense_layers = self.layers - self.moe_layers
-        moe_block = self.attention_params() + self.expert_params() + self.dim * self.experts + \
-            3 * self.dim * self.shared_ffn + 2 * self.dim
-        dense_block = self.attention_params() + self.dense_mlp_params() + 2 * self.dim
-        return dense_layers * dense_block + self.moe_layers * moe_block + \
-            self.vocab * self.dim * (1 if self.tied else 2) + self.dim
+        """Every parameter (LlamaConfig.num_params)."""
+        return self.config.num_params()
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs per trained token (forward + backward), PaLM's accounting, as the trainer's
-        MFU counts them: 6 x active non-embedding parameters + 12 x layers x dim x seq."""
-        idle = 3 * self.dim * self.expert_ffn * (self.experts - self.top_k) * self.moe_layers
-        active = self.total_params() - idle - (0 if self.tied else self.vocab * self.dim)
-        return 6.0 * active + 12.0 * self.layers * self.dim * seq
+        MFU counts them (`llama_flops_per_token`): 6 x active non-embedding parameters + 12 x
+        layers x dim x seq."""
+        from dtmega.models.llama_specs import llama_flops_per_token
+
+        return llama_flops_per_token(self.config, seq)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ def _spans_nodes(c: Collective, plan: PlanShape, hardware: Hardware) -> bool:
     then CP, EP/data, PP outermost (as dtmega.make_mesh orders it)."""
     inner = {"tp": plan.tp, "cp": plan.tp * plan.cp, "ep": plan.tp * plan.cp * plan.ep,
              "dp_shard": plan.tp * plan.cp * plan.dp, "dp": plan.tp * plan.cp * plan.dp,
+             "dp_expert": plan.tp * plan.cp * plan.dp,
              "dp_replicate": plan.tp * plan.cp * plan.dp, "pp": plan.world}
     reach = inner.get(c.axis, plan.world)
     if c.axis == "pp":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import time
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ from dtmega.printing import console
 
 # Dense peak TFLOP/s from vendor datasheets: (bf16/fp16 tensor core, fp32 without TF32).
 GPU_PEAK_TFLOPS = {
-    "H200": (989.4, 66.9), "H100 SXM": (989.4, 66.9), "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9),
+    "B200": (2250.0, 80.0), "H200": (989.4, 66.9), "H100 SXM": (989.4, 66.9), "H100 PCIe": (756.0, 51.2), "H100": (989.4, 66.9),
     "A100": (312.0, 19.5), "L40S": (362.1, 91.6), "L4": (121.0, 30.3), "A10G": (70.0, 31.2),
     "A10": (125.0, 31.2), "V100": (125.0, 15.7), "RTX 4090": (165.2, 82.6), "RTX 3090": (71.0, 35.6),
 }
@@ -31,14 +30,11 @@ def flops_per_token(config, seq_length: int, spec=None) -> float:
 
 
 def measure_cpu_peak_flops(seconds: float = 0.5, size: int = 1024) -> float:
-    """FLOP/s this process reaches on an fp32 matmul (the CPU has no datasheet figure to use)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        runs += 1
-    return 2.0 * size**3 * runs / (time.perf_counter() - start)
+    """FLOP/s this process reaches on an fp32 matmul (the CPU has no datasheet figure to use),
+    measured as `dtmega calibrate` measures it."""
+    from dtmega.cost.calibrate import matmul_flops
+
+    return matmul_flops(size, size, size, "float32", "cpu", seconds)
 
 
 def peak_flops(device_type: str, low_precision: bool) -> tuple[float, str]:

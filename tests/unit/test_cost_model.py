@@ -256,3 +256,31 @@ def test_auto_plan_sets_the_winners_options():
     if not torch.cuda.is_available():
         with pytest.raises(ArgumentError, match="dtmega calibrate"):
             apply_auto_plan(cpu, config, 64)
+
+
+def test_calibrate_writes_a_file_the_planner_reads(tmp_path, capsys):
+    """`dtmega calibrate` on 2 local processes writes a hardware file with this machine's rates
+    (positive, finite), `dtmega plan --gpu FILE` ranks plans with it, and a second run refuses to
+    overwrite the file before measuring anything."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "cpu2.toml"
+    command = [sys.executable, "-m", "dtmega", "calibrate", "--ranks", "2", "--seconds", "0.05", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hardware = load_hardware(out)
+    figures = [hardware.flops("float32"), hardware.memory_bandwidth, hardware.intra_node_bandwidth,
+               hardware.intra_node_latency, hardware.op_overhead, hardware.efficiency, hardware.memory_bytes]
+    assert all(value > 0 and math.isfinite(value) for value in figures), hardware
+    assert hardware.flops("float32") > 1e8 and hardware.gpus_per_node == 2
+    plan_main(["--model", "debug", "--gpus", "2", "--gpus-per-node", "2", "--gpu", str(out), "--seq-length", "64",
+               "--global-batch-size", "8", "--json"])
+    ranked = json.loads(capsys.readouterr().out)
+    assert ranked and all(row["step_s"] > 0 for row in ranked)
+    written = out.read_bytes()
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 2 and "never overwrites" in again.stderr and out.read_bytes() == written

@@ -39,7 +39,7 @@ class Hardware:
     # on the critical path (CPUs); 0 on GPUs, whose host runs ahead of the kernels
     sharded_op_overhead: float = 0.0
     # ranks per core on an oversubscribed CPU (4 ranks on 2 cores: 2); a rank idle in a pipeline
-    # bubble gives its core to a busy one, so bubbles cost 1/oversubscription there
+    # bubble gives its core to a busy one: a bubble costs nothing once oversubscription >= pp
     oversubscription: float = 1.0
     overlap: bool = True  # communication overlaps compute (GPUs' copy engines; not CPUs with fewer cores than ranks)
     gpus_per_node: int = 8

@@ -5,7 +5,8 @@
     launches  = operators x op_overhead
     exposed   = TP, SP, CP (all-gather, a2a), EP and PP transfers  (on the critical path)
               + max(0, overlapped transfers - compute)             (FSDP prefetch, DDP buckets, CP ring)
-    bubble    = (compute + memory + launches) x (pp - 1) / (microbatches x vp) / oversubscription
+    bubble    = (compute + memory + launches) x (pp - 1) / (microbatches x vp)
+                x max(0, 1 - (oversubscription - 1) / (pp - 1))   (CPUs with more ranks than cores)
     step      = compute + memory + launches + exposed + bubble + optimizer
 """
 
@@ -72,7 +73,9 @@ def step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Hardware, 
     bubble = 0.0
     if plan.pp > 1:
         bubble = (compute + memory + launches) * (plan.pp - 1) / (plan.microbatches * plan.vp)
-        bubble /= hardware.oversubscription
+        # ranks idle in the bubble give their cores to busy ones: with `oversubscription` ranks
+        # per core and at least 1 in pp of them busy, no core idles once oversubscription >= pp
+        bubble *= max(0.0, 1 - (hardware.oversubscription - 1) / (plan.pp - 1))
     dense, experts = params_per_rank(model, plan, first=True, last=plan.pp == 1)
     local = (dense + experts) / max(1, plan.fsdp_ranks)
     if plan.cpu_optimizer:  # gradients down and weights up over the host link, Adam in host memory

@@ -96,7 +96,8 @@ def test_bytes_per_collective_equal_the_closed_forms(name):
     with debug if debug is not None else contextlib.nullcontext(), CollectiveBytes() as mode:
         pm.forward_backward(pm.shard_batch(_batch(pm, config, generator, microbatches)))
     if debug is not None:
-        assert debug.get_total_counts() == sum(calls for kind, calls in mode.calls.items() if kind != "send"), (name, dict(debug.get_comm_counts()), dict(mode.calls))
+        collectives = sum(calls for kind, calls in mode.calls.items() if kind != "send")
+        assert debug.get_total_counts() == collectives, (name, dict(debug.get_comm_counts()), dict(mode.calls))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (dict(mode.calls), dict(mode.bytes)))
     predicted_bytes, predicted_calls = defaultdict(float), defaultdict(float)
@@ -131,7 +132,8 @@ def test_predicted_peak_memory_is_within_10_percent(name):
     step()
     peak = torch.tensor(step_peak_bytes(step, pm.module, optimizer, torch.device("cpu")))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    assert pm.layout.cost.memory.peak / float(peak) == pytest.approx(1.0, abs=0.10), (name, pm.layout.cost.memory.peak / float(peak))
+    ratio = pm.layout.cost.memory.peak / float(peak)
+    assert ratio == pytest.approx(1.0, abs=0.10), (name, ratio)
 
 
 def test_cpu_optimizer_trains_with_the_same_losses():

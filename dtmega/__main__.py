@@ -1,7 +1,5 @@
 """`python -m dtmega ...` is the `dtmega` command."""
 
-import sys
+from dtmega.cli import entry
 
-from dtmega.cli import main
-
-sys.exit(main())
+entry()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import traceback
 
 from rich.console import Console
 from rich.markup import escape
@@ -29,10 +31,43 @@ SLOW_TO_START = ("evaluate", "generate", "serve", "convert")  # commands whose p
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatches to a subcommand; bad input exits with status 2 and one clear message."""
+    return _run(argv)[0]
+
+
+def entry() -> None:
+    """The `dtmega` console script and `python -m dtmega`: runs the command, then ends the process.
+
+    A command that ran under a process group ends without interpreter finalization, once its
+    output is flushed and the group destroyed. `destroy_process_group` cannot stop the groups'
+    gloo threads (`gloo_tcp_loop`, `pt_gloo_runloop`): DTensor's sharding caches (Python and
+    C++) keep every mesh, and with it every group, alive until the interpreter tears torch down,
+    in an order that sometimes destroys a running thread ("terminate called without an active
+    exception", SIGABRT). Under torchrun or SLURM a finished job would then be restarted or
+    marked failed (seen after a torchrun restart, under load)."""
+    try:
+        status, grouped = _run(None)
+    except BaseException as error:  # a crash (e.g. a peer's connection reset): its traceback, then the same end
+        if isinstance(error, SystemExit) or not _process_group_exists():
+            raise
+        traceback.print_exc()
+        status, grouped = (130 if isinstance(error, KeyboardInterrupt) else 1), True
+    if grouped:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+    sys.exit(status)
+
+
+def _run(argv: list[str] | None) -> tuple[int, bool]:
+    """(exit status, whether the command ran under a process group)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return (0 if argv else 2), False
     command, rest = argv[0], argv[1:]
     commands = {
         "preprocess": "dtmega.data.preprocess_cli",
@@ -47,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(USAGE, file=sys.stderr)
         print(f"dtmega: unknown command {command!r}", file=sys.stderr)
-        return 2
+        return 2, False
     import importlib
 
     if command in SLOW_TO_START and not {"-h", "--help"} & set(rest) and os.environ.get("RANK", "0") == "0":
@@ -55,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
     module = importlib.import_module(commands[command])
     from dtmega.joining import DistributedTimeout
+    status = 0
     try:
         module.main(rest)
-        _shut_down_process_group()
     # Every dtmega input error (PlanError, ArgumentError, CheckpointError, InputError,
     # DatasetFormatError, ...) is a ValueError with a message that names the fix.
     except (ValueError, FileNotFoundError) as error:
@@ -67,24 +102,32 @@ def main(argv: list[str] | None = None) -> int:
             # The message is printed as text: "pip install 'dtmega[te]'" must not read as markup.
             Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                        highlight=False)
-        return 2
+        status = 2
     except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
         Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                    highlight=False)
-        return 3
-    return 0
+        return 3, True  # a peer is gone: the group is left as it is (the process ends without finalization)
+    return status, _shut_down_process_group()
 
 
-def _shut_down_process_group() -> None:
-    """Joins the process group's background threads before the interpreter exits (a gloo thread
-    still running at exit can abort a finished job: "terminate called without an active
-    exception")."""
+def _process_group_exists() -> bool:
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _shut_down_process_group() -> bool:
+    """Destroys the process group (every rank leaves its collectives); True if there was one."""
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            return True
+    return False
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

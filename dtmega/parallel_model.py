@@ -143,11 +143,24 @@ class ParallelModel(ModelWeights):
 
     # ---- compute ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `tokens` (vocab-sharded DTensor under tensor parallelism)."""
+        """Logits for `tokens` (vocab-sharded DTensor under tensor parallelism) under every plan.
+        Under context parallelism each rank computes its part of every sequence and every rank
+        gets the whole; under pipeline parallelism every rank passes the same tokens, the stages
+        run in turn without gradients and every rank gets the last stage's logits."""
+        # the hooks cut the tokens as for a step (context parallelism: this rank's part of each
+        # sequence, global positions) and put the logits back together
+        fields = Batch(tokens, tokens, torch.ones_like(tokens), position_ids)
+        for hook in self.hooks:
+            fields = hook.shard_batch(fields)
         if self.pipelined:
-            raise RuntimeError("a pipeline-parallel model has no single-rank forward; use forward_backward or loss_sum")
-        logits_fn = self.program.family.logits if self.program.family else default_logits
-        return logits_fn(self.module, tokens, position_ids)
+            logits = self.executor.logits(fields.tokens, fields.position_ids)
+            self.reshard()
+        else:
+            logits_fn = self.program.family.logits if self.program.family else default_logits
+            logits = logits_fn(self.module, fields.tokens, fields.position_ids)
+        for hook in reversed(self.hooks):
+            logits = hook.unshard_output(logits)
+        return logits
 
     __call__ = forward
 

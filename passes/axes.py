@@ -32,11 +32,6 @@ ROLES = {
     "context": "cp",
     "tensor": "tp",
 }
-# The roles whose ranks hold different sequences of the global batch (expert parallelism
-# borrows data-parallel ranks, so its axis is one of them).
-BATCH_ROLES = ("data_replicate", "data_shard", "expert")
-
-
 class MeshAxes:
     """The one owner of axis names and sizes, asked by role (torchtitan's ParallelDims idea).
 
@@ -76,7 +71,3 @@ class MeshAxes:
     def size(self, role: str) -> int:
         """Number of ranks along the axis of `role` (1 if the mesh has no such axis)."""
         return self.shape.get(self.name(role), 1)
-
-    def batch_axes(self) -> tuple[str, ...]:
-        """The axes (present in the mesh) whose ranks hold different sequences of the batch."""
-        return tuple(self.name(role) for role in BATCH_ROLES if self.name(role) in self.shape)

@@ -18,6 +18,8 @@ from dtmega.passes.program import Program
 from dtmega.passes.rules import Rule
 
 _PASS_TYPES: dict[str, type["Pass"]] = {}
+# How an axis of each role is used (passes/axes.py ROLES); an axis of no role splits the model.
+USE_OF_ROLE = {"data_replicate": "batch", "data_shard": "batch", "expert": "batch", "context": "sequence"}
 
 
 class Pass:
@@ -57,6 +59,17 @@ class Pass:
         """Mesh axes this pass parallelizes over (each axis of size > 1 needs an owner)."""
         axis = getattr(self, "axis", None)
         return (axis,) if axis else ()
+
+    def axis_uses(self) -> dict[str, str]:
+        """How this pass uses each of its axes, recorded in the layout (`Layout.axis_uses`):
+        "batch" (ranks along it hold different sequences of the batch: data and expert
+        parallelism), "sequence" (different parts of each sequence: context parallelism) or
+        "model" (ranks along it see the same tokens and split the model or its work: tensor,
+        pipeline, a researcher's own sharding). Derived from the axis's role; the batch is split
+        over the "batch" axes only, and an axis used as "model" by one pass and to split the
+        batch by another is refused (`check_axis_uses`)."""
+        roles = {axis: role for role, axis in self.roles().items()}
+        return {axis: USE_OF_ROLE.get(roles.get(axis), "model") for axis in self.mesh_axes()}
 
     def roles(self) -> dict[str, str]:
         """{role: axis} this pass claims, so other passes find its axis by role."""

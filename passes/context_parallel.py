@@ -11,7 +11,9 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtmega.kernels.context_attention import METHODS, context_parallel_attention
 from dtmega.kernels.context_shards import CommStats, token_indices
@@ -160,6 +162,24 @@ class SequenceSharding(RuntimeHook):
 
     def __init__(self, sharding: ContextSharding, mesh, comm: CommStats):
         self.sharding, self.rank, self.comm = sharding, mesh.get_local_rank(), comm
+        self.group = mesh.get_group()
+
+    def unshard_output(self, output: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's [B, S/cp, ...] output, back in sequence order on every rank (a
+        vocab-sharded DTensor stays one: its local shards are gathered)."""
+        if self.sharding.size == 1:
+            return output
+        local = output.to_local() if isinstance(output, DTensor) else output
+        pieces = [torch.empty_like(local) for _ in range(self.sharding.size)]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        seq = local.shape[1] * self.sharding.size
+        order = torch.cat([token_indices(seq, self.sharding.size, rank, self.sharding.zigzag, device=local.device)
+                           for rank in range(self.sharding.size)])
+        whole = torch.empty((local.shape[0], seq, *local.shape[2:]), dtype=local.dtype, device=local.device)
+        whole[:, order] = torch.cat(pieces, dim=1)
+        if isinstance(output, DTensor):
+            return DTensor.from_local(whole, output.device_mesh, output.placements, run_check=False)
+        return whole
 
     def shard_batch(self, batch: Batch) -> Batch:
         if self.sharding.size == 1:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
 from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.kernels.triton_support import triton_available
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
+from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out, returns_hidden
 from dtmega.passes.fusion_sites import FORWARDS, SITES, fuse_block_residual
 from dtmega.passes.loss import register_loss
 from dtmega.passes.program import Program
@@ -129,7 +129,7 @@ class FuseKernels(Pass):
             op, _, impl = entry.kernel.rpartition(".")
             for module in program.modules_at(fqn):
                 if op == LOSS:
-                    module.forward = _identity  # the loss takes the hidden states and this weight
+                    install_hidden_out(module)  # logits, except hidden states inside the fused loss
                 elif op == "rms_norm_residual":
                     block = program.module(fqn.rpartition(".")[0]) if fqn.rpartition(".")[0] else None
                     fuse_block_residual(block, impl)
@@ -137,14 +137,11 @@ class FuseKernels(Pass):
                     module.forward = FORWARDS[(family, op)](module, impl)
 
 
-def _identity(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
-
-
 def _fused_output_style(entry, axis):
-    """Tensor-parallel output layer whose loss is fused: the weight is vocab-sharded and the
-    input gathered as for logits, but the layer passes its (replicated) input through."""
-    return ColwiseParallel(input_layouts=_src(entry.inputs[axis]), output_layouts=Replicate(), use_local_output=False)
+    """Tensor-parallel output layer whose loss is fused: vocab-sharded weight and logits, as
+    the plain output style; inside the loss it passes its gathered input through."""
+    return OutputOrHiddenParallel(input_layouts=_src(entry.inputs[axis]), output_layouts=Shard(-1),
+                                  use_local_output=False)
 
 
 def autocast_of(program: Program):
@@ -158,13 +155,15 @@ def autocast_of(program: Program):
 
 
 def _fused_loss(program: Program, impl: str, chunk_size: int | None):
-    logits_fn = program.family.logits  # the output layer returns its input: these are hidden states
+    logits_fn = program.family.logits
     output_fqn = program.facts.output
     autocast = autocast_of(program)
 
     def loss(module, batch: Batch, grad_scale):
-        hidden = logits_fn(module, batch.tokens, batch.position_ids)
-        weight = module.get_submodule(output_fqn).weight
+        output = module.get_submodule(output_fqn)
+        with returns_hidden([output]):  # the output layer hands its input to the fused loss
+            hidden = logits_fn(module, batch.tokens, batch.position_ids)
+        weight = output.weight
         if isinstance(hidden, DTensor) and any(isinstance(p, Shard) for p in hidden.placements):
             hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
         with autocast():

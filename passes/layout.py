@@ -107,9 +107,17 @@ class Layout:
     stage_axis: str = "pp"
     # The passes' typed results as plain data, by result type name (see passes/results.py).
     results: dict[str, dict] = field(default_factory=dict)
+    # How each pass uses each mesh axis: {axis: {pass: "batch" | "sequence" | "model"}}
+    # (Pass.axis_uses). The batch is split over the "batch" axes and nothing else.
+    axis_uses: dict[str, dict[str, str]] = field(default_factory=dict)
     # The cost analysis (dtmega.cost) of a plan checked with a workload: not part of the layout's
     # data (never in its TOML or its equality), derived from it.
     cost: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over (each holds different sequences), in mesh order."""
+        return tuple(axis for axis in self.mesh if "batch" in self.axis_uses.get(axis, {}).values())
 
     def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
         if entry.stage is None or self.stage_ranks is None:
@@ -199,6 +207,8 @@ class Layout:
             data["pipeline"] = {"axis": self.stage_axis, "stage_ranks": list(self.stage_ranks)}
         if self.results:
             data["results"] = {name: dict(values) for name, values in self.results.items()}
+        if self.axis_uses:
+            data["axis_uses"] = {axis: dict(uses) for axis, uses in self.axis_uses.items()}
         return data
 
     @classmethod
@@ -222,7 +232,8 @@ class Layout:
             modules[fqn] = ModuleLayout(**{**entry, "params": params})
         pipeline = data.get("pipeline", {})
         return cls(mesh=dict(data["mesh"]), modules=modules, stage_ranks=pipeline.get("stage_ranks"),
-                   stage_axis=pipeline.get("axis", "pp"), results=dict(data.get("results", {})))
+                   stage_axis=pipeline.get("axis", "pp"), results=dict(data.get("results", {})),
+                   axis_uses={axis: dict(uses) for axis, uses in data.get("axis_uses", {}).items()})
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """TOML text of the layout; also written to `path` if given."""

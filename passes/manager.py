@@ -76,6 +76,30 @@ def check_axes(passes: Sequence[Pass], mesh_shape: dict[str, int]) -> None:
             )
 
 
+def record_axis_uses(passes: Sequence[Pass], program: Program) -> None:
+    """Writes how every pass uses its axes into the layout (`Layout.axis_uses`), then refuses an
+    axis of size > 1 that one pass splits the model over while another splits the batch (or the
+    sequences) over it: the model-parallel pass needs the same tokens on every rank along it."""
+    uses = program.layout.axis_uses
+    for current in passes:
+        for axis, use in current.axis_uses().items():
+            uses.setdefault(axis, {})[current.name] = use
+    for axis, by_pass in uses.items():
+        if program.mesh_shape.get(axis, 1) < 2:
+            continue
+        model = [name for name, use in by_pass.items() if use == "model"]
+        split = {name: use for name, use in by_pass.items() if use != "model"}
+        if model and split:
+            splitter, use = next(iter(split.items()))
+            what = "the batch (each rank other sequences)" if use == "batch" else "each sequence (context parallelism)"
+            raise PlanError(
+                f"mesh axis {axis!r} is used two ways: {model[0]} splits the model over it, so every rank along "
+                f"it must see the same tokens, but {splitter} splits {what} over it. Fix: give {model[0]} a mesh "
+                f"axis of its own (e.g. {{'model': {program.mesh_shape[axis]}}} with {model[0]}(axis='model')), "
+                f"or leave {axis!r} to {splitter}"
+            )
+
+
 def check_workload(program: Program) -> None:
     """What the step's shapes demand of the model itself (each pass checks its own in finalize)."""
     workload = program.workload
@@ -120,6 +144,7 @@ class PassManager:
         check_order(self.passes)
         check_axes(self.passes, program.mesh_shape)
         program.axes = MeshAxes.from_passes(self.passes, program.mesh_shape)
+        record_axis_uses(self.passes, program)
         for current in self.passes:
             current.annotate(program)
             program.note(f"annotated {current.name}")

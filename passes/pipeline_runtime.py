@@ -15,6 +15,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtmega.kernels import per_token_cross_entropy
 from dtmega.kernels.precision import accumulation_dtype
 from dtmega.passes.errors import PlanError
+from dtmega.passes.hidden_out import returns_hidden
+from dtmega.passes.pipeline_forward import pipeline_forward
 from dtmega.passes.program import Program
 from dtmega.passes.results import PipelineStages
 from dtmega.passes.runtime import Batch, Executor, StepContext
@@ -126,9 +128,26 @@ class PipelineExecutor(Executor):
                             for part, stage in zip(program.parts, self.local_stages)]
         return self._stages
 
+    @property
+    def _fused_loss(self) -> bool:
+        kernel = self.program.layout[self.program.facts.output].kernel or ""
+        return kernel.startswith("cross_entropy.fused_linear.")
+
+    def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits for `tokens` on every rank of the pipeline (vocab-sharded DTensor
+        under tensor parallelism), without gradients: every rank passes the same tokens."""
+        kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
+        parts = dict(zip(self.local_stages, self.program.parts))
+        logits = pipeline_forward(parts, self.info.rank_of_stage, self.group, tokens,
+                                  {} if position_ids is None else {kwarg: position_ids})
+        if self.logits_sharded:
+            logits = DTensor.from_local(logits, self.program.submesh(self.program.axes.name("tensor")), [Shard(-1)],
+                                        run_check=False)
+        return logits
+
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         kernel = self.program.layout[self.program.facts.output].kernel or ""
-        if kernel.startswith("cross_entropy.fused_linear."):  # the last stage returns hidden states
+        if self._fused_loss:  # the last stage returns hidden states (returns_hidden, in run)
             from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
 
             weight = self.stages[-1].submod.get_submodule(self.program.facts.output).weight
@@ -166,7 +185,8 @@ class PipelineExecutor(Executor):
         kwargs = {} if batch.position_ids is None else {kwarg: batch.position_ids}
         losses: list[torch.Tensor] = []
         inputs = (batch.tokens,) if self.has_first else ()
-        with loss_parallel() if self.logits_sharded else contextlib.nullcontext():
+        outputs = self.program.modules_at(self.program.facts.output) if self._fused_loss else []
+        with loss_parallel() if self.logits_sharded else contextlib.nullcontext(), returns_hidden(outputs):
             if step.train:
                 schedule.step(*inputs, target=target, losses=losses, **kwargs)
             else:

@@ -156,10 +156,11 @@ class Program:
         return submesh(self.mesh, *axes, flatten=flatten)
 
     def data_axes(self, *, context: bool = True) -> tuple[str, ...]:
-        """The mesh axes whose ranks hold different tokens of the global batch: the batch axes,
-        and the context axis when context parallelism splits sequences (`context`)."""
+        """The mesh axes whose ranks hold different tokens of the global batch: the axes a pass
+        splits the batch over (`Layout.batch_axes`: data and expert parallelism), and the context
+        axis when context parallelism splits sequences (`context`)."""
         sharding = self.result(ContextSharding) if context else None
-        return self.axes.batch_axes() + ((sharding.axis,) if sharding and sharding.axis in self.mesh_shape else ())
+        return self.layout.batch_axes + ((sharding.axis,) if sharding and sharding.axis in self.mesh_shape else ())
 
     def data_size(self, *, context: bool = True) -> int:
         """Number of ranks holding different tokens (see `data_axes`)."""

@@ -67,6 +67,11 @@ class RuntimeHook:
         """This rank's part of the data-parallel batch (context parallelism: its sequence shard)."""
         return batch
 
+    def unshard_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The inverse of `shard_batch` for a [B, S_local, ...] model output (the logits
+        `pm(tokens)` returns): context parallelism gathers every rank's tokens back in order."""
+        return output
+
     def begin_step(self, step: StepContext) -> None:
         """Before the step's forward (e.g. how MoE layers scale their balancing losses)."""
 

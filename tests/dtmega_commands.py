@@ -1,6 +1,6 @@
 """Runs several one-process `dtmega` command lines in one Python process, in order: the docs'
 `dtmega preprocess|train --dry-run|evaluate|generate` lines, each through the entry point the
-console script calls (`dtmega.cli.main`), so one interpreter start (~3 s of imports on the CI
+console script runs (`dtmega.cli.main`, inside `entry`), so one interpreter start (~3 s of imports on the CI
 machine) serves them all. Each command's output follows a `$ dtmega ...` header; the exit
 status is the first failure's (0 if none), and the commands after it are not run.
 

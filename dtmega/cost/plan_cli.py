@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--headroom", type=float, default=0.9,
                         help="fraction of device memory a plan may use (the rest: fragmentation, CUDA context)")
     parser.add_argument("--no-cpu-optimizer", action="store_true", help="never offload the optimizer to the host")
-    parser.add_argument("--top", type=int, default=10, help="plans to print")
+    parser.add_argument("--top", type=int, default=None,
+                        help="plans to print (default: 10 in the table, every fitting plan with --json)")
     parser.add_argument("--compare", action="append", default=[], metavar="SPEC",
                         help="a plan of your own, e.g. tp=4,pp=4,cp=1: where it ranks and why the best is faster")
     parser.add_argument("--json", action="store_true", help="print the ranked list as JSON (best first)")
@@ -162,11 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         dump_toml({"model": args.model, **options}, args.out)
     if args.json:
-        json.dump([c.to_dict() for c in result.ranked], sys.stdout, indent=1)
+        json.dump([c.to_dict() for c in result.ranked[:args.top]], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
     out = console()
-    out.print(ranked_table(result, args.top, f"{args.model} on {args.gpus} x {hardware.name} "
+    out.print(ranked_table(result, args.top or 10, f"{args.model} on {args.gpus} x {hardware.name} "
                            f"({args.gpus_per_node} per node), seq {work.seq}, global batch {work.global_batch}"))
     out.print(f"{result.considered:,} legal plans estimated in {seconds:.1f} s, {len(result.ranked):,} fit; rejected: "
               + "; ".join(f"{n:,} {reason} (e.g. {result.examples[reason]})"

@@ -3,6 +3,7 @@ checkpoint state an HF model stands for when commands load it directly (`--load-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +28,22 @@ def hf_state(checkpoint: HFCheckpoint) -> dict:
                       "eod_token": getattr(tokenizer, "eod_token", None)},
         "hf_files": checkpoint.kept, "source": {"hf_dir": str(checkpoint.path.resolve())},
     }
+
+
+# The token ids of config.json: they name tokens of the source's tokenizer.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def files_kept_by_a_run(kept: dict[str, str], same_tokenizer: bool) -> dict[str, str]:
+    """What a run started from a Hugging Face model keeps of its small files for a later export
+    (`--save-hf`, `convert dtmega-to-hf`): all of them when the run uses the model's own tokenizer,
+    so that the fine-tune exports with the source's token ids, generation settings, special
+    tokens and chat template; with another tokenizer, only config.json without its token ids
+    (they would name the source's tokens; the export takes the run's end-of-document token)."""
+    if same_tokenizer or "config.json" not in kept:
+        return dict(kept) if same_tokenizer else {}
+    config = {key: value for key, value in json.loads(kept["config.json"]).items() if key not in TOKEN_ID_KEYS}
+    return {"config.json": json.dumps(config, indent=2) + "\n"}
 
 
 def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | None = None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dtmega.serve import megatron_api, openai_api
 from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
@@ -99,6 +100,14 @@ def _failed(results: list[SequenceResult]) -> str | None:
     return errors[0] if errors else None
 
 
+# What Megatron's server (Flask-RESTful on werkzeug) says for routing errors.
+FLASK_MESSAGES = {
+    404: "The requested URL was not found on the server. If you entered the URL manually please check your "
+         "spelling and try again.",
+    405: "The method is not allowed for the requested URL.",
+}
+
+
 def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAPI:
     """The FastAPI application of one served model."""
     app = FastAPI(title="dtmega serve", description=f"text generation with {model.name}")
@@ -109,6 +118,18 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         first = issued[0]
         issued[0] += count
         return first
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        """Routing errors (wrong method, unknown path) in the shape each API's clients parse:
+        OpenAI's `{"error": {...}}` under /v1/, Megatron's (Flask-RESTful) `{"message": ...}` elsewhere."""
+        message = FLASK_MESSAGES.get(error.status_code, str(error.detail))
+        if request.url.path.startswith("/v1/"):
+            body = {"error": {"message": f"{request.method} {request.url.path}: {error.detail}",
+                              "type": "invalid_request_error", "param": None, "code": None}}
+        else:
+            body = {"message": message}
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.put("/api")
     async def megatron_generate(request: Request):

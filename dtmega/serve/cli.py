@@ -17,13 +17,15 @@ import signal
 import socket
 import threading
 
+import torch
 import torch.distributed as dist
 import uvicorn
 
-from dtmega.mesh import broadcast_object, init_distributed
+from dtmega.mesh import broadcast_object, default_device_type, init_distributed
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
 from dtmega.serve.engine import Engine
+from dtmega.serve.kv_budget import KVCacheSize, kv_budget, kv_bytes_per_token, size_kv_cache, weight_bytes
 from dtmega.train.restore import add_model_source, read_source_head, restore_with_progress
 
 
@@ -37,7 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=5000, help="TCP port (0: any free port, printed at start-up)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (launch that many ranks)")
     p.add_argument("--max-batch-size", type=int, default=32,
-                   help="sequences decoded together (KV cache slots; more wait for a free slot)")
+                   help="most sequences decoded together (KV cache slots, fewer if the cache budget holds fewer; "
+                        "more wait for a free slot)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions per sequence, prompt and generated tokens together (default: the model's context)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache bytes per rank, e.g. 4GiB (default: 90%% of a GPU less the weights; on the CPU 4 GiB, "
+                        "at most half the available memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device's memory the server may take, weights included (vLLM's flag; on the "
+                        "CPU: of the host memory available at start)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may take before it is cancelled (HTTP 504)")
@@ -56,6 +67,24 @@ def check_arguments(a: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value} must be at least 1")
     if not a.request_timeout > 0:
         raise ValueError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
+    if a.max_model_len is not None and a.max_model_len < 2:
+        raise ValueError(f"--max-model-len {a.max_model_len} must be at least 2 (a prompt token and a generated one)")
+
+
+def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
+    """The KV cache's slots and length for the model `config` (kv_budget.py); ValueError naming
+    the fix when the budget cannot hold one sequence. Pure arithmetic: nothing is allocated."""
+    context = int(config.max_seq_len)
+    max_len = a.max_model_len or context
+    if max_len > context:
+        raise ValueError(f"--max-model-len {max_len} is longer than the model's context ({context} positions). "
+                         f"Fix: --max-model-len {context} or less")
+    dtype = torch.get_default_dtype()  # the dtype the served weights, and so the cache, take
+    tp = a.tensor_model_parallel_size
+    budget = kv_budget(kv_cache_memory=a.kv_cache_memory, utilization=a.gpu_memory_utilization,
+                       device_type=device_type, weights=weight_bytes(config, tp, dtype))
+    return size_kv_cache(budget=budget, max_len=max_len, bytes_per_token=kv_bytes_per_token(config, tp, dtype),
+                         max_batch_size=a.max_batch_size)
 
 
 def bind(host: str, port: int) -> socket.socket | str:
@@ -81,6 +110,7 @@ def main(argv: list[str]) -> None:
     if head.spec.family != "dtmega-llama":
         raise ValueError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{head.spec.family} model. Fix: evaluate it with dtmega evaluate")
+    size = cache_size(a, head.config, default_device_type())  # before any rank joins or any weight is read
     init_distributed()
     if dist.get_world_size() != a.tensor_model_parallel_size:
         raise ValueError(f"{dist.get_world_size()} ranks were launched for --tensor-model-parallel-size "
@@ -95,9 +125,10 @@ def main(argv: list[str]) -> None:
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf)
     pm.eval()
-    context = int(head.config.max_seq_len)
-    engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=a.max_batch_size, max_len=context,
+    context = size.max_len
+    engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=size.slots, max_len=context,
                     decode_text=tokenizer.decode, device=pm.mesh.device_type, leader=leader)
+    engine.reserve()
     if not leader:
         for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop, after draining
             signal.signal(signum, signal.SIG_IGN)
@@ -129,7 +160,9 @@ def main(argv: list[str]) -> None:
     thread = threading.Thread(target=serve_http, name="dtmega-http", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
-    console().print(f"serving {name} ({context}-token context, {a.max_batch_size} sequences at a time) on {url}: "
+    console().print(size.describe() + (f" (--max-batch-size {a.max_batch_size}: the budget holds {size.slots})"
+                                       if size.slots < a.max_batch_size else ""), highlight=False)
+    console().print(f"serving {name} ({context}-token context, {size.slots} sequences at a time) on {url}: "
                     f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False)
     engine.run()
     thread.join()

@@ -115,6 +115,20 @@ class Engine:
         self.forwards = 0  # model forwards (prefills and batched decodes)
         self.generated = 0  # tokens chosen
 
+    @torch.no_grad()
+    def reserve(self) -> None:
+        """Allocates the whole KV cache now, one token through slot 0 on every rank alike, so a
+        cache the device cannot hold fails at start rather than at the first request."""
+        self.cache.select([0], 1)
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), position_ids=self.cache.positions(1),
+                   cache=self.cache)
+        self.cache.free(0)
+
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds on this rank (keys and values of every block)."""
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers.values()
+                   for t in (layer.keys, layer.values) if t is not None)
+
     # ---- rank 0, any thread -----------------------------------------------------------------
 
     def submit(self, request: SequenceRequest, on_done: Callable[[SequenceResult], None]) -> None:
@@ -140,6 +154,7 @@ class Engine:
         endpoint: tokens per forward is the batching achieved)."""
         with self._lock:
             return {"running": len(self.running), "waiting": len(self._waiting), "slots": self.cache.slots,
+                    "max_model_len": self.cache.max_len, "kv_cache_bytes": self.cache_bytes(),
                     "forwards": self.forwards, "generated_tokens": self.generated}
 
     # ---- every rank ------------------------------------------------------------------------

@@ -118,13 +118,27 @@ def parse_api_request(body: Any, *, tokenizer, context: int) -> ApiRequest:
     return ApiRequest(prompts, prompt_ids, sampling, logprobs)
 
 
+class ContextError(RequestError):
+    """A request longer than the server's context; `param` names what to shorten."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_context(prompt_tokens: int, new_tokens: int, context: int, *, what: str, budget: str) -> None:
-    """Prompt + new tokens must fit the model's context (its RoPE table and the KV cache)."""
-    if prompt_tokens + new_tokens > context:
-        raise RequestError(
-            f"{what} ({prompt_tokens} tokens) + {budget} {new_tokens} = {prompt_tokens + new_tokens} tokens exceeds "
-            f"the model's context of {context} tokens. Fix: {budget} {max(context - prompt_tokens, 0)} or less"
-            + (", and a shorter prompt" if prompt_tokens >= context else ""))
+    """Prompt + new tokens must fit the server's context (the model's RoPE table, or a shorter
+    --max-model-len: a KV cache slot). A prompt that leaves no room for one generated token is
+    the prompt's fault (shorten it); otherwise the number of new tokens is (`budget` names it)."""
+    if prompt_tokens + new_tokens <= context:
+        return
+    if prompt_tokens >= context:
+        raise ContextError(
+            f"{what} has {prompt_tokens} tokens, but the server's context holds {context} tokens, the generated ones "
+            f"included. Fix: a prompt of at most {context - 1} tokens", param="prompt")
+    raise ContextError(
+        f"{what} ({prompt_tokens} tokens) + {budget} {new_tokens} = {prompt_tokens + new_tokens} tokens exceeds the "
+        f"server's context of {context} tokens. Fix: {budget} {context - prompt_tokens} or less", param=budget)
 
 
 def sequence_requests(request: ApiRequest, first_id: int) -> list[SequenceRequest]:

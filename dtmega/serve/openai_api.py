@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
-from dtmega.serve.megatron_api import MAX_PROMPTS, RequestError, _is_int, _is_number, check_context
+from dtmega.serve.megatron_api import MAX_PROMPTS, ContextError, RequestError, _is_int, _is_number, check_context
 
 MAX_LOGPROBS = 20
 UNSUPPORTED = {"stream": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
@@ -105,8 +105,8 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
         try:
             check_context(len(ids), max_tokens, context, what=f"prompt {i}" if len(prompt_ids) > 1 else "the prompt",
                           budget="max_tokens")
-        except RequestError as error:
-            raise CompletionError(str(error), "max_tokens") from None
+        except ContextError as error:
+            raise CompletionError(str(error), error.param) from None
     sampling = Sampling(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                         seed=secrets.randbits(62) if seed is None else seed, stop_token=tokenizer.eod,
                         stop_strings=tuple(stops), prompt_logprobs=echo and logprobs is not None,

@@ -22,6 +22,7 @@ from dtmega.passes import (
     TensorParallel,
 )
 from dtmega.train.args import ArgumentError, TrainArgs
+from dtmega.train.not_built import refuse_not_built
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,9 @@ class RunShape:
 
 
 def reject_unsupported(args: TrainArgs) -> None:
-    """Flags whose feature does not exist (yet), with what to do instead."""
-    if args.attention_dropout or args.hidden_dropout:
-        raise ArgumentError(
-            "--attention-dropout/--hidden-dropout > 0: dropout is not supported yet (Llama pretraining uses "
-            "none). Fix: pass --attention-dropout 0 --hidden-dropout 0"
-        )
-    if args.normalization != "RMSNorm":
-        raise ArgumentError(f"--normalization {args.normalization}: only RMSNorm is supported yet")
-    if args.position_embedding_type != "rope":
-        raise ArgumentError(f"--position-embedding-type {args.position_embedding_type}: only rope is supported yet")
-    if args.reset_attention_mask:
-        raise ArgumentError("--reset-attention-mask: document-masked attention is not supported yet")
+    """Flags whose feature does not exist (yet), and flags that contradict each other, with what
+    to do instead."""
+    refuse_not_built(args)
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; choose one")
     if args.save_hf and not args.save:
@@ -215,6 +207,7 @@ def moe_config(args: TrainArgs, ffn: int) -> MoEConfig | None:
 
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     """The pass sequence the flags ask for."""
+    refuse_not_built(args)
     passes: list[Pass] = []
     if shape.tp > 1:
         passes.append(TensorParallel())
@@ -240,13 +233,8 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
         count = args.recompute_num_layers
         if args.recompute_method == "block":
             passes.append(Recompute("full", first=count or n_layers))
-        elif args.recompute_method in (None, "uniform") and count in (None, 1):
+        else:  # uniform, one block per unit (groups of several blocks were refused above)
             passes.append(Recompute("full"))
-        else:
-            raise ArgumentError(
-                f"--recompute-method uniform with --recompute-num-layers {count} (one checkpoint per group of "
-                "blocks) is not supported yet; use --recompute-num-layers 1 or --recompute-method block"
-            )
     elif args.recompute_method or args.recompute_num_layers:
         raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
     if shape.pp > 1:
@@ -258,11 +246,6 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     fusions = dict(rms_norm=False if args.no_rms_norm_fusion else None,
                    swiglu=False if args.no_bias_swiglu_fusion else None,
                    rope=False if args.no_rope_fusion else None, cross_entropy=args.cross_entropy_loss_fusion)
-    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
-        raise ArgumentError(
-            "--cross-entropy-fusion-impl te: Transformer Engine's fused cross entropy needs transformer-engine, which "
-            "is not supported here. Fix: --cross-entropy-fusion-impl native (dtmega's fused linear cross entropy)"
-        )
     if any(value is not False for value in fusions.values()):
         passes.append(FuseKernels(**fusions))
     float8 = float8_pass(args)

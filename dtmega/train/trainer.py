@@ -118,6 +118,7 @@ class Trainer:
             self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, dynamic=not static,
                                      min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
         self.iteration, consumed, self.loaded = 0, 0, None
+        self.hf_files: dict[str, str] = {}  # a Hugging Face source's small files, for --save-hf and export
         if args.load:
             checkpoint, damaged = select_checkpoint(args.load)  # every file checked against its CRC-32
             for note in damaged:
@@ -125,6 +126,7 @@ class Trainer:
             self.loaded = checkpoint
             state = load_checkpoint(checkpoint, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
             self.iteration, consumed = state["iteration"], state["consumed_samples"]
+            self.hf_files = state.get("hf_files", {})  # a fine-tune resumed keeps its source's files
             template = self.pm.runtime_state_dict()
             missing = self.pm.load_runtime_state_dict(load_runtime_state(checkpoint, template))
             if missing:
@@ -136,7 +138,11 @@ class Trainer:
         elif args.load_hf:
             from dtmega.interop.hf_checkpoint import HFCheckpoint
 
-            HFCheckpoint.open(args.load_hf, tokenizer=self.tokenizer).load_into(self.pm.module, self.config)
+            from dtmega.interop.hf_import import files_kept_by_a_run
+
+            source = HFCheckpoint.open(args.load_hf, tokenizer=self.tokenizer)
+            source.load_into(self.pm.module, self.config)
+            self.hf_files = files_kept_by_a_run(source.kept, same_tokenizer=_same_tokenizer(self.tokenizer, args.load_hf))
             self.console.print(f"started from the Hugging Face model {args.load_hf} (weights only: fresh optimizer "
                                "and iteration count)")
         self.loader = BatchLoader(
@@ -206,8 +212,11 @@ class Trainer:
             "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples,
             "world_size": self.shape.world, "model": self.spec.name, "model_config": self.spec.config_to_dict(self.config),
             "args": to_toml_dict(self.args), "plan": self.plan.to_toml(),
-            "tokenizer": self.tokenizer_spec.to_dict(),
+            # the end-of-document token the run used (a Hugging Face directory's eos_token), so
+            # that every later reader of the saved tokenizer.json takes the same one
+            "tokenizer": {**self.tokenizer_spec.to_dict(), **_eod_token_of(self.tokenizer)},
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            **({"hf_files": self.hf_files} if self.hf_files else {}),
         }
 
     def save(self) -> Path:
@@ -369,3 +378,20 @@ def train(argv: list[str], mesh=None) -> TrainResult | None:
 
 
 main = train
+
+
+def _eod_token_of(tokenizer) -> dict:
+    token = getattr(tokenizer, "eod_token", None)
+    return {"eod_token": token} if token else {}
+
+
+def _same_tokenizer(tokenizer, hf_dir: str) -> bool:
+    """Whether the run's tokenizer is the Hugging Face model's own (same vocabulary, merges and
+    end-of-document token), whichever flags named it."""
+    from dtmega.data.tokenizers import tokenizer_from_path
+
+    try:
+        own = tokenizer_from_path(hf_dir)
+    except (OSError, ValueError):
+        return False
+    return own.to_json() == tokenizer.to_json() and own.eod == tokenizer.eod

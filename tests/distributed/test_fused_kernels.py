@@ -5,13 +5,17 @@ tolerances (tests/helpers.py), for every plan of the numerics matrix and compile
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dtmega
 from dtmega.passes import (
     ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Recompute, SequenceParallel,
     TensorParallel,
 )
-from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, mesh
+from tests.helpers import (
+    assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, full, mesh,
+    relative_error,
+)
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
 
 PLANS = {
@@ -66,3 +70,40 @@ def test_other_libraries_models_with_fused_kernels_match_unsharded(build):
     kernels = {entry.kernel for entry in pm.layout.modules.values() if entry.kernel}
     assert {"rms_norm.reference", "swiglu.reference", "cross_entropy.fused_linear.reference"} <= kernels
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
+
+
+LOGITS_PLANS = {
+    "one_rank": (dict(), [FuseKernels()]),
+    "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel(), FuseKernels()]),
+    "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), FuseKernels(), DataParallel("ddp")]),
+    "cp2": (dict(cp=2), [ContextParallel(), FuseKernels(), DataParallel("fsdp")]),
+    "cp2_tp2_sp": (dict(cp=2, tp=2), [TensorParallel(), SequenceParallel(), ContextParallel(), FuseKernels(),
+                                      DataParallel("fsdp")]),
+    "pp2_cp2": (dict(pp=2, cp=2), [ContextParallel(), PipelineSplit(microbatches=2), FuseKernels(),
+                                   DataParallel("ddp")]),
+    "pp2_tp2_sp": (dict(pp=2, tp=2), [TensorParallel(), SequenceParallel(), PipelineSplit(microbatches=2),
+                                      FuseKernels(), DataParallel("ddp")]),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGITS_PLANS))
+def test_the_parallel_model_returns_logits_with_the_fused_loss(name):
+    """`pm(tokens)` is the output layer's logits under FuseKernels too (the fused loss takes
+    hidden states only inside the loss), for one rank, TP2+SP, context parallelism (each rank's
+    part of the sequence gathered back) and pipelines; after training steps the logits still
+    equal the unsharded model's (fp32: 1e-5 relative)."""
+    sizes, passes = LOGITS_PLANS[name]
+    config = debug_llama(tie_embeddings=False) if "pp" in sizes else debug_llama()
+    reference, meta_copy = build_dtmega_llama(config, seed=25)
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm.init_weights(seed=25)
+    assert pm.layout["output"].kernel == "cross_entropy.fused_linear.reference"
+    assert_close_to_reference(compare_training(reference, pm, steps=2, batch_size=4, seq_len=16))
+    generator = torch.Generator().manual_seed(26)
+    shapes = ((2, 16), (1, 12)) if "cp" not in sizes else ((2, 16), (1, 8))  # CP: a multiple of 2 x cp (zigzag)
+    for batch, seq in shapes:  # any batch, including one a training schedule could not split
+        tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        logits = full(pm(tokens))
+        expected = reference(tokens)
+        assert logits.shape == expected.shape == (batch, seq, config.vocab_size)
+        assert relative_error(logits, expected) <= 1e-5

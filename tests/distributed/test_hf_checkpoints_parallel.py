@@ -14,6 +14,7 @@ step's loss within 1e-3 (absolute, nats) of transformers' on the same global bat
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -267,5 +268,17 @@ def test_fine_tuning_smollm2_with_load_hf_starts_at_its_loss_and_lowers_it(smoll
         assert abs(result.losses[0] - before) < 1e-3, (result.losses[0], before)
         after = loss_of(transformers_model(shared_dir / "smol_ft_hf"))
         assert after < before - 0.05, (before, after, result.losses)
+        assert_exported_with_the_source_tokenizer(directory, shared_dir / "smol_ft_hf")
         print(f"\nfine-tuning: loss on the first batch {before:.4f} (transformers) vs step 1 {result.losses[0]:.4f}; "
               f"after 2 steps {after:.4f}")
+
+
+def assert_exported_with_the_source_tokenizer(source: Path, exported: Path) -> None:
+    """A fine-tune's export carries its source's token ids, generation settings, tokenizer and
+    chat template (they were lost on the training path: eos 0 where training used 2)."""
+    source_config, exported_config = (json.loads((d / "config.json").read_text()) for d in (source, exported))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert exported_config.get(key) == source_config.get(key), (key, exported_config.get(key), source_config.get(key))
+    for name in ("generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+        assert json.loads((exported / name).read_text()) == json.loads((source / name).read_text()), name
+    assert (exported / "chat_template.jinja").read_text() == (source / "chat_template.jinja").read_text()

@@ -141,3 +141,23 @@ def test_a_mesh_shape_names_only_the_axes_it_uses():
     assert layout.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "ep": 1, "cp": 1, "tp": 8}
     with pytest.raises(PlanError, match="mesh axis tp=0 must be a positive integer"):
         dtmega.check_plan(model, {"tp": 0}, Plan([TensorParallel()]))
+
+
+def test_an_axis_one_pass_splits_the_model_over_and_another_the_batch_over_is_refused():
+    """A researcher's pass that shards the embedding over dp_shard next to DataParallel (which
+    splits the batch over dp_shard): refused, naming the axis and both passes. Alone, the pass
+    owns dp_shard and the batch is not split over it."""
+    from tests.user_passes import EmbeddingOverAxis
+
+    with pytest.raises(PlanError, match=r"mesh axis 'dp_shard' is used two ways: EmbeddingOverAxis splits the model "
+                                        r"over it.*DataParallel splits the batch.*Fix: give EmbeddingOverAxis a mesh axis"):
+        check(meta_llama(), dict(dp_shard=2), [EmbeddingOverAxis(), DataParallel("fsdp")])
+    with pytest.raises(PlanError, match=r"mesh axis 'cp' is used two ways.*ContextParallel splits each sequence"):
+        from dtmega.passes import ContextParallel
+
+        check(meta_llama(), dict(cp=2), [EmbeddingOverAxis(axis="cp"), ContextParallel(), DataParallel("fsdp")])
+    alone = check(meta_llama(), dict(dp_shard=2), [EmbeddingOverAxis()])
+    assert alone.batch_axes == () and alone.axis_uses["dp_shard"] == {"EmbeddingOverAxis": "model"}
+    standard = check(meta_llama(), dict(dp_shard=2, ep=1, tp=2), [TensorParallel(), DataParallel("fsdp")])
+    assert standard.batch_axes == ("dp_shard",) and standard.axis_uses["tp"] == {"TensorParallel": "model"}
+    assert dtmega.passes.Layout.from_toml(standard.to_toml()).axis_uses == standard.axis_uses

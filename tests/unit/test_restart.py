@@ -4,7 +4,13 @@ every worker; the restarted job resumes from the latest intact checkpoint by its
 same losses as an uninterrupted run, step for step.
 
 Two real 2-rank torchrun jobs (subprocesses): the uninterrupted reference, and the one whose
-rank 1 is killed once its first checkpoints exist."""
+rank 1 is killed once its first checkpoints exist.
+
+A finished job must exit 0: a worker that printed its final loss once aborted in interpreter
+finalization ("terminate called without an active exception", SIGABRT; under load, after a
+restart), destroying a process group whose gloo threads were still running. Every worker here
+carries an exit probe (a `sitecustomize` on PYTHONPATH): an `atexit` hook, run only if the
+interpreter is finalized, that records any gloo thread still alive then. None may be."""
 
 from __future__ import annotations
 
@@ -28,13 +34,41 @@ def corpus(tmp_path_factory):
     return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=200)
 
 
+EXIT_PROBE = """
+import atexit, glob, os
+
+def _gloo_threads_at_finalization():
+    names = [open(path).read().strip() for path in glob.glob("/proc/self/task/*/comm")]
+    alive = [name for name in names if "gloo" in name]
+    if alive and "RANK" in os.environ:
+        path = os.path.join(os.environ["DTMEGA_EXIT_PROBE"], f"rank{os.environ['RANK']}-pid{os.getpid()}.txt")
+        with open(path, "w") as out:
+            out.write(" ".join(alive))
+
+atexit.register(_gloo_threads_at_finalization)
+"""
+
+
+def _probe_dir(run: Path) -> Path:
+    probe = run / "exit-probe"
+    probe.mkdir(exist_ok=True)
+    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
+    return probe
+
+
+def _finalized_with_gloo_threads(run: Path) -> list[str]:
+    return [f"{path.stem}: {path.read_text()}" for path in sorted((run / "exit-probe").glob("rank*.txt"))]
+
+
 def _launch(corpus: str, run: Path, restarts: int) -> subprocess.Popen:
     argv = tiny_args(corpus, train_iters=STEPS, save=run / "ckpt", load=run / "ckpt", save_interval=SAVE_EVERY,
                      log_interval=1, eval_iters=0, log_file=run / "metrics.jsonl",
                      tensor_model_parallel_size=2)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", str(restarts), "-m", "dtmega", "train", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    probe = _probe_dir(run)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTMEGA_EXIT_PROBE": str(probe),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(command, stdout=open(run / "out.txt", "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
@@ -76,6 +110,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_with_the_same_losses
     out = _wait(_launch(corpus, reference_run, restarts=0), reference_run)
     reference = _losses(reference_run)
     assert sorted(reference) == list(range(1, STEPS + 1)), out
+    assert not _finalized_with_gloo_threads(reference_run), _finalized_with_gloo_threads(reference_run)
 
     launcher = _launch(corpus, restarted_run, restarts=1)
     deadline = time.monotonic() + 240
@@ -91,6 +126,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_with_the_same_losses
     assert resumed_at >= 2 * SAVE_EVERY and resumed_at % SAVE_EVERY == 0, out
     restarted = _losses(restarted_run)
     assert sorted(restarted) == list(range(1, STEPS + 1)), out
+    assert not _finalized_with_gloo_threads(restarted_run), _finalized_with_gloo_threads(restarted_run)
     # The same plan on the same ranks runs the same kernels in the same order, and a resume
     # restores every state (weights, optimizer, data position, RNG): the losses are bit-identical.
     assert restarted == reference, out

@@ -89,8 +89,11 @@ BAD_REQUESTS = [
     (b"prompts: [x]", "the request body is not JSON"),
     (b'{"prompts": ["' + b"x" * LIMIT + b'"]}', f"exceeds the server's limit of {LIMIT} bytes"),
     ({"prompts": ["x" * 10], "tokens_to_generate": 200},
-     ("the prompt (10 tokens) + tokens_to_generate 200 = 210 tokens exceeds the model's context of 128 tokens. "
+     ("the prompt (10 tokens) + tokens_to_generate 200 = 210 tokens exceeds the server's context of 128 tokens. "
       "Fix: tokens_to_generate 118 or less")),
+    ({"prompts": ["x" * 130], "tokens_to_generate": 4},
+     "the prompt has 130 tokens, but the server's context holds 128 tokens, the generated ones included. "
+     "Fix: a prompt of at most 127 tokens"),
     ({"prompts": "x"}, "prompts is not a list of strings"),
     ({"prompts": []}, "prompts is empty"),
     ({"prompts": [""]}, "Empty prompts require add_BOS=true"),
@@ -111,6 +114,15 @@ def test_bad_requests_get_400_with_megatrons_message_and_the_server_still_answer
     assert server.health()["status"] == "ok"
     status, answer = server.api({"prompts": ["ok"], "tokens_to_generate": 2, "stop_token": -1})
     assert status == 200 and len(answer["tokens"][0]) == 4
+
+
+def test_routing_errors_answer_in_megatrons_shape(server):
+    """POST /api (Megatron's clients PUT) answers 405 with Megatron's {"message": ...}, not FastAPI's
+    {"detail": ...}; an unknown path 404 the same way."""
+    status, body = server.request("POST", "/api", {"prompts": ["x"]})
+    assert (status, body) == (405, {"message": "The method is not allowed for the requested URL."})
+    status, body = server.request("GET", "/nowhere")
+    assert status == 404 and body["message"].startswith("The requested URL was not found")
 
 
 def test_sampling_is_reproducible_by_random_seed_and_add_bos_prepends_the_eod(server, model):
@@ -145,6 +157,12 @@ def test_openai_completions_and_health(server):
     assert status == 400 and error["error"]["param"] == "top_p"
     status, error = server.request("POST", "/v1/completions", {"prompt": PROMPT, "stream": True})
     assert status == 400 and "stream=True is not supported" in error["error"]["message"]
+    status, error = server.request("POST", "/v1/completions", {"prompt": "x" * 130, "max_tokens": 4})
+    assert status == 400 and error["error"]["param"] == "prompt" and "at most 127 tokens" in error["error"]["message"]
+    status, error = server.request("POST", "/v1/completions", {"prompt": "x" * 100, "max_tokens": 40})
+    assert status == 400 and error["error"]["param"] == "max_tokens" and "max_tokens 28 or less" in error["error"]["message"]
+    status, error = server.request("GET", "/v1/completions")
+    assert status == 405 and error["error"]["type"] == "invalid_request_error"
     assert server.request("GET", "/v1/models")[1]["data"][0]["id"] == "checkpoints"
     health = server.health()
     assert health["status"] == "ok" and health["slots"] == 32 and health["running"] == 0
@@ -225,11 +243,35 @@ def test_a_tensor_parallel_server_answers_like_a_one_rank_server(server, tiny_ch
         tp2.stop()  # torchrun reports the SIGTERM it forwarded as its own failure: its status says nothing here
 
 
+def test_the_kv_cache_is_sized_from_its_budget_and_said_at_start(server, tiny_checkpoint):
+    """The default budget holds the tiny model's 32 slots; the cache is allocated at start, its
+    size printed and reported by the health endpoint; --max-model-len shortens each slot."""
+    health = server.health()
+    started = "".join(server.lines)
+    assert health["slots"] == 32 and health["kv_cache_bytes"] > 0
+    assert f"KV cache: 32 slots x {health['max_model_len']} positions" in started
+    short = ServerProcess(["--load", str(tiny_checkpoint), "--max-model-len", "64", "--kv-cache-memory", "200KiB"])
+    try:
+        info = short.health()
+        assert info["max_model_len"] == 64 and info["kv_cache_bytes"] <= 200 * 1024
+        per_slot = info["kv_cache_bytes"] // info["slots"]
+        assert info["slots"] == min(32, 200 * 1024 // per_slot)
+        status, body = short.api({"prompts": ["x" * 70], "tokens_to_generate": 1})
+        assert status == 400 and "64" in body["message"]  # the prompt is longer than a slot
+    finally:
+        short.stop()
+
+
 def test_serve_argument_errors_exit_2_before_loading(tiny_checkpoint, capsys):
     from dtmega.cli import main
 
     assert main(["serve", "--load", str(tiny_checkpoint), "--port", "70000"]) == 2
     assert "--port 70000 is not a TCP port" in capsys.readouterr().err
+    assert main(["serve", "--load", str(tiny_checkpoint), "--kv-cache-memory", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold one sequence" in err and "Fix: --kv-cache-memory" in err and "loading" not in err
+    assert main(["serve", "--load", str(tiny_checkpoint), "--max-model-len", "100000"]) == 2
+    assert "--max-model-len 100000 is longer than the model's context" in capsys.readouterr().err
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

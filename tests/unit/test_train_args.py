@@ -61,7 +61,7 @@ def test_toml_then_flags_override(tmp_path):
 def test_planned_and_unsupported_features_are_refused():
     for flags, message in [
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
-        (["--normalization", "LayerNorm"], "only RMSNorm"),
+        (["--normalization", "LayerNorm"], "LayerNorm blocks .* are not supported yet"),
         (["--bf16", "--fp16"], "exclusive"),
         (["--reset-attention-mask"], "not supported yet"),
     ]:

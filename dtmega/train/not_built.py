@@ -1,0 +1,58 @@
+"""Megatron flags whose feature dtmega does not have yet: refused before any work, each with why
+and the command-line fix. The one list `docs/training.md` ("Not built yet") shows, row for row
+(tests/unit/test_docs_refusals.py holds the two equal and runs every example)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from dtmega.train.args import ArgumentError, TrainArgs
+
+
+@dataclass(frozen=True)
+class NotBuilt:
+    """A feature a flag asks for that is refused: how the docs name it, a command line that asks
+    for it, when `args` ask for it, and the message's reason and fix."""
+
+    flags: str
+    example: tuple[str, ...]
+    applies: Callable[[TrainArgs], bool]
+    reason: str
+
+
+def _uniform_groups(args: TrainArgs) -> bool:
+    return (args.recompute_granularity == "full" and args.recompute_method in (None, "uniform")
+            and args.recompute_num_layers not in (None, 1))
+
+
+NOT_BUILT: tuple[NotBuilt, ...] = (
+    NotBuilt("--attention-dropout/--hidden-dropout > 0", ("--attention-dropout", "0.1"),
+             lambda a: bool(a.attention_dropout or a.hidden_dropout),
+             "dropout is not supported yet (Llama pretraining uses none). Fix: --attention-dropout 0 --hidden-dropout 0"),
+    NotBuilt("--normalization LayerNorm", ("--normalization", "LayerNorm"), lambda a: a.normalization != "RMSNorm",
+             "LayerNorm blocks (GPT-3's) are not supported yet; dtmega's models use RMSNorm. Fix: --normalization RMSNorm"),
+    NotBuilt("--position-embedding-type learned_absolute|none", ("--position-embedding-type", "learned_absolute"),
+             lambda a: a.position_embedding_type != "rope",
+             "learned or no position embeddings are not supported yet; dtmega's models use RoPE. Fix: "
+             "--position-embedding-type rope"),
+    NotBuilt("--reset-attention-mask", ("--reset-attention-mask",), lambda a: a.reset_attention_mask,
+             "document-masked attention is not supported yet (attention spans document boundaries inside a sample, "
+             "Megatron's default). Fix: leave the flag out"),
+    NotBuilt("--recompute-method uniform --recompute-num-layers N (N > 1)",
+             ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
+             _uniform_groups,
+             "one checkpoint per group of N blocks is not supported yet (each block is its own unit). Fix: "
+             "--recompute-num-layers 1, or --recompute-method block"),
+    NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),
+             lambda a: a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te",
+             "Transformer Engine's fused cross entropy is not supported yet. Fix: --cross-entropy-fusion-impl native "
+             "(dtmega's fused linear cross entropy)"),
+)
+
+
+def refuse_not_built(args: TrainArgs) -> None:
+    """ArgumentError for the first flag of `args` that asks for a feature in NOT_BUILT."""
+    for item in NOT_BUILT:
+        if item.applies(args):
+            raise ArgumentError(f"{item.flags}: {item.reason}")

@@ -11,7 +11,7 @@ NPROC ?= 4
 DEMO := runs/demo
 KJV = $$($(PY) -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('bible').submodule_search_locations[0], 'data', 'kjv.jsonl'))")
 
-.PHONY: train test test-portable install install-dev clean
+.PHONY: train test test-portable gpu-check install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ test: $(VENV)/.installed-dev
 # native: avx512 where the CPU has it), one summary line each; CI runs `make test` only.
 test-portable: $(VENV)/.installed-dev
 	$(PY) tests/portable.py
+
+# Everything that needs a GPU (benchmarks/gpu_check.py): run on a lent GPU machine with its own
+# python (no .venv: torch's CUDA build is there already); DRY_RUN=1 lists the steps and their
+# expected minutes anywhere.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

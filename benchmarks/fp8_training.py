@@ -37,13 +37,22 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine, run_measured
 from dtmega.printing import console
 
-FP8 = ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
-       "--fp8-min-features", "0"]
+FP8 = ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]
 # Precisions of the baselines and of what FP8 does not cover. On a CPU without bf16 instructions
 # (AVX2 only) bf16 runs ~8x slower than fp32 (171 vs ~1,400 tokens/s measured on the demo), so
 # the FP8 run's own default there is fp32.
 PRECISION = {"fp32": [], "bf16": ["--bf16"]}
 DATA = Path("runs/demo/data/kjv_text_document")  # relative to the working directory, as in make train
+# --size 1.5b: the GPU benchmark's Llama (dim 2048, 16 blocks, 32/8 heads, FFN 8192) on one GPU,
+# the demo corpus's 8192-token BPE, seq 2048, 8 sequences per step (FP8 linears of >= 1024 features).
+SIZES = {
+    "demo": {"ranks": 4, "flags": [], "fp8_min_features": "0"},
+    "1.5b": {"ranks": 1, "fp8_min_features": "1024", "flags": [
+        "--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "32",
+        "--group-query-attention", "--num-query-groups", "8", "--seq-length", "2048", "--max-position-embeddings",
+        "2048", "--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
+        "--lr", "3e-4", "--min-lr", "3e-5", "--compile", "inductor"]},
+}
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -54,8 +63,9 @@ def _train(name: str, precision: str, flags: list[str], tmp: Path, args) -> tupl
     """One run of the trainer in `precision`; its logged losses and wall seconds."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     log = tmp / f"{name}.jsonl"
-    command = [torchrun, "--nproc-per-node", "4", "--local-ranks-filter", "0", "-m", "dtmega", "train",
-               "--config", str(ROOT / "configs" / "demo.toml"), *PRECISION[precision],
+    size = SIZES[args.size]
+    command = [torchrun, "--nproc-per-node", str(size["ranks"]), "--local-ranks-filter", "0", "-m", "dtmega", "train",
+               "--config", str(ROOT / "configs" / "demo.toml"), *size["flags"], *PRECISION[precision],
                "--train-iters", str(args.steps),
                "--lr-warmup-iters", str(args.warmup), "--log-interval", str(args.log_interval),
                "--eval-interval", str(args.steps), "--eval-iters", "2", "--log-file", str(log),
@@ -78,13 +88,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default="hybrid",
                         help="hybrid (= --fp8-hybrid: e5m2 gradients) or e4m3 everywhere")
     parser.add_argument("--data-path", type=Path, default=DATA, help="the demo corpus (with the tokenizer demo.toml names)")
+    parser.add_argument("--size", choices=tuple(SIZES), default="demo",
+                        help="demo: the demo model on 4 CPU ranks; 1.5b: the GPU benchmark's Llama on one GPU")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fp8_training.json")
     args = parser.parse_args(argv)
     if not Path(f"{args.data_path}.idx").exists():
         parser.error(f"{args.data_path}.idx is missing: run `make {DATA}.idx` (or `make train`) in the repository first")
     baselines = args.baselines or [args.precision]
     half = args.steps // 2
-    fp8_flags = ["--fp8-format", args.fp8_format, *FP8]
+    fp8_flags = ["--fp8-format", args.fp8_format, *FP8, "--fp8-min-features", SIZES[args.size]["fp8_min_features"]]
     runs: dict[str, dict[int, float]] = {}
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
             [*fp8_flags, "--load", str(middle), "--save", str(tmp / "resumed"), "--save-interval", str(args.steps)],
             tmp, args)
     fp8, resumed = runs["fp8"], runs["fp8-resumed"]
-    table = Table(title=f"demo model, {args.steps} steps on 4 CPU ranks: loss by step without FP8 and with FP8 "
+    where = "demo model on 4 CPU ranks" if args.size == "demo" else "Llama 1.5 B on one GPU"
+    table = Table(title=f"{where}, {args.steps} steps: loss by step without FP8 and with FP8 "
                         f"({args.fp8_format}, delayed, history 16, max; the rest {args.precision})")
     table.add_column("step", justify="right")
     for precision in baselines:
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
                       *(f"{100 * gaps[precision]:+.2f} %" for precision in baselines),
                       "" if again is None else f"{again:.4f}", "" if again is None else f"{again - fp8[step]:+.1e}")
     console().print(table)
-    result = {"command": " ".join(sys.argv), "machine": machine(), "steps": args.steps,
+    result = {"command": " ".join(sys.argv), "machine": machine(), "steps": args.steps, "size": args.size,
               "fp8_precision": args.precision, "baselines": baselines, "fp8_format": args.fp8_format,
               "seconds": seconds, "losses": runs,
               "worst_fp8_vs_baseline_after_warmup": worst_gap, "worst_resume_rel_diff": worst_resume,

@@ -25,7 +25,7 @@ from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
 from dtmega.train.setup import (
-    RunShape, build_plan, model_config, padded_vocab, reject_unsupported, run_shape, tokenizer_spec,
+    RunShape, build_plan, model_config, padded_vocab, plan_notes, reject_unsupported, run_shape, tokenizer_spec,
 )
 
 
@@ -129,6 +129,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
     entropy = check_data_vocab(args, tokenizer.vocab_size)
     plan = build_plan(args, shape, layers_of(spec, config))
+    notes += plan_notes(args, shape)
     parameters = check_before_launch(spec, config, shape, plan, args)
     if args.save:
         warning = check_save_dir(args.save, parameters, create=args.dry_run is None)

@@ -205,15 +205,21 @@ def moe_config(args: TrainArgs, ffn: int) -> MoEConfig | None:
     )
 
 
+def plan_notes(args: TrainArgs, shape: RunShape) -> list[str]:
+    """What the plan leaves out of what the flags ask for, as Megatron warns of it."""
+    if args.sequence_parallel and shape.tp == 1:
+        return ["--sequence-parallel with --tensor-model-parallel-size 1: sequence parallelism is off (it splits "
+                "what tensor parallelism replicates; Megatron turns it off the same way)"]
+    return []
+
+
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     """The pass sequence the flags ask for."""
     refuse_not_built(args)
     passes: list[Pass] = []
     if shape.tp > 1:
         passes.append(TensorParallel())
-    if args.sequence_parallel:
-        if shape.tp == 1:
-            raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and shape.tp > 1:  # at TP 1 Megatron turns it off with a warning (plan_notes)
         passes.append(SequenceParallel())
     if shape.cp > 1:
         method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[args.cp_comm_type]

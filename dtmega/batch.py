@@ -20,13 +20,16 @@ def make_batch(
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    **extra: torch.Tensor,
 ) -> TensorDict:
-    """A batch TensorDict from [B, S] tensors."""
+    """A batch TensorDict from [B, S] tensors; `extra` per-token fields a plan's passes or loss
+    read (e.g. `document_ids=...`)."""
     fields = {"tokens": tokens, "labels": labels}
     if loss_mask is not None:
         fields["loss_mask"] = loss_mask
     if position_ids is not None:
         fields["position_ids"] = position_ids
+    fields.update(extra)
     return TensorDict(fields, batch_size=list(tokens.shape[:2]))
 
 
@@ -43,8 +46,9 @@ def synthetic_batch(
     return make_batch(stream[:, :-1], stream[:, 1:], mask).to(device)
 
 
-def unpack_batch(batch: TensorDict, vocab_size: int | None = None) -> Batch:
-    """Validates `batch` and returns its fields (loss_mask defaults to all ones)."""
+def unpack_batch(batch: TensorDict, vocab_size: int | None = None, fields: tuple[str, ...] = ()) -> Batch:
+    """Validates `batch` and returns its fields (loss_mask defaults to all ones); `fields`: the
+    per-token fields beyond the four the plan reads, which the batch must carry (and no others)."""
     if not isinstance(batch, TensorDict):
         raise TypeError(
             f"batch must be a tensordict.TensorDict with batch_size=[B, S], got {type(batch).__name__}. "
@@ -64,8 +68,18 @@ def unpack_batch(batch: TensorDict, vocab_size: int | None = None) -> Batch:
                 f"batch[{name!r}] holds ids in [{int(tensor.min())}, {int(tensor.max())}] but the model's "
                 f"vocabulary is [0, {vocab_size}). Fix: tokenize with a vocabulary no larger than the model's"
             )
+    known = set(REQUIRED) | set(OPTIONAL)
+    missing = [name for name in fields if name not in batch.keys()]
+    if missing:
+        raise KeyError(f"batch lacks {missing}, which this plan's passes or loss read. Fix: "
+                       f"dtmega.make_batch(tokens, labels, ..., {missing[0]}=...)")
+    unused = [name for name in batch.keys() if name not in known and name not in fields]
+    if unused:
+        raise KeyError(f"batch field(s) {unused} are read by no pass or loss of this plan (it reads "
+                       f"{sorted(known | set(fields))}). Fix: leave them out, or add the pass that uses them")
     loss_mask = batch.get("loss_mask", None)
     if loss_mask is None:
         loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     position_ids = batch.get("position_ids", None)
-    return Batch(tokens.long(), labels.long(), loss_mask.float(), None if position_ids is None else position_ids.long())
+    return Batch(tokens.long(), labels.long(), loss_mask.float(), None if position_ids is None else position_ids.long(),
+                 {name: batch[name] for name in fields})

@@ -15,7 +15,7 @@ from dtmega.model_weights import ModelWeights
 from dtmega.passes import Layout, Plan, PlanError, Program
 from dtmega.passes.compile import Compile
 from dtmega.passes.families import default_logits
-from dtmega.passes.loss import loss_for
+from dtmega.passes.loss import loss_for, plan_loss
 from dtmega.passes.pipeline_runtime import PipelineParts
 from dtmega.passes.pipeline_table import schedule_table
 from dtmega.passes.render import layout_table
@@ -38,6 +38,10 @@ class ParallelModel(ModelWeights):
         if family is not None and family.runtime_hooks is not None:
             self.hooks += family.runtime_hooks(program)
         self.executor = program.executor or MicrobatchLoop(self._module, loss_for(program))
+        # the per-token fields beyond the four every batch has that the plan's passes and loss read
+        self.batch_fields = tuple(dict.fromkeys(
+            [name for p in plan.passes for name in p.batch_fields]
+            + list(plan_loss(program).fields if program.family is not None else ())))
 
     # ---- what the plan produced ---------------------------------------------------------------
     @property
@@ -172,7 +176,7 @@ class ParallelModel(ModelWeights):
 
     def prepare_batch(self, batch: TensorDict) -> Batch:
         """This rank's part of its batch as the step sees it: validated, sharded by the hooks."""
-        fields = unpack_batch(batch, self.program.facts.vocab_size if self.program.family else None)
+        fields = unpack_batch(batch, self.program.facts.vocab_size if self.program.family else None, self.batch_fields)
         for hook in self.hooks:
             fields = hook.shard_batch(fields)
         return fields

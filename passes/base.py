@@ -31,6 +31,9 @@ class Pass:
     # Structural passes change which modules exist on this rank (pipeline splitting); they apply
     # before every other pass, whatever their place in the plan, so the others shard the pieces.
     structural: ClassVar[bool] = False
+    # Per-token batch fields this pass reads beyond tokens, labels, loss_mask and position_ids
+    # (e.g. document ids): a batch must carry them, and they are sharded with it (runtime.Batch).
+    batch_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

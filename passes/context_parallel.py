@@ -7,6 +7,7 @@ this rewrites the attention modules the layout names, and runs on gloo and nccl 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -195,7 +196,8 @@ class SequenceSharding(RuntimeHook):
         positions = batch.position_ids
         if positions is None:
             positions = torch.arange(seq, device=batch.tokens.device).expand(batch.tokens.shape)
-        return Batch(*(shard_sequence(t, index) for t in (batch.tokens, batch.labels, batch.loss_mask, positions)))
+        batch = dataclasses.replace(batch, position_ids=positions)
+        return batch.map(lambda tensor: shard_sequence(tensor, index))
 
 
 def shard_sequence(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out, returns_hidden
 from dtmega.passes.fusion_sites import FORWARDS, SITES, fuse_block_residual
-from dtmega.passes.loss import register_loss
+from dtmega.passes.loss import Loss, register_loss
 from dtmega.passes.program import Program
 from dtmega.passes.results import Compilation, PassResult
 from dtmega.passes.runtime import Batch
@@ -154,27 +154,21 @@ def autocast_of(program: Program):
     return lambda: torch.autocast(program.mesh.device_type, dtype=dtype)
 
 
-def _fused_loss(program: Program, impl: str, chunk_size: int | None):
-    logits_fn = program.family.logits
+def _fused_loss(program: Program, impl: str, chunk_size: int | None) -> Loss:
+    """The output projection and cross entropy in one chunked kernel, over the hidden states the
+    output layer hands it (the logits never exist); vocab-parallel under TP."""
     output_fqn = program.facts.output
     autocast = autocast_of(program)
 
-    def loss(module, batch: Batch, grad_scale):
-        output = module.get_submodule(output_fqn)
-        with returns_hidden([output]):  # the output layer hands its input to the fused loss
-            hidden = logits_fn(module, batch.tokens, batch.position_ids)
-        weight = output.weight
+    def criterion(owner, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        weight = owner.get_submodule(output_fqn).weight
         if isinstance(hidden, DTensor) and any(isinstance(p, Shard) for p in hidden.placements):
             hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
         with autocast():
-            total = fused_linear_cross_entropy_sum(
-                hidden.flatten(0, 1), weight, batch.labels.flatten(), batch.loss_mask.flatten(), impl=impl,
-                chunk_size=chunk_size)
-        if grad_scale is not None:
-            (total * grad_scale).backward()
-        return total
+            return fused_linear_cross_entropy_sum(hidden.flatten(0, 1), weight, batch.labels.flatten(),
+                                                  batch.loss_mask.flatten(), impl=impl, chunk_size=chunk_size)
 
-    return loss
+    return Loss(criterion, hidden_out=True)
 
 
 for _impl in ("triton", "reference"):

@@ -12,10 +12,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dtmega.kernels import per_token_cross_entropy
 from dtmega.kernels.precision import accumulation_dtype
 from dtmega.passes.errors import PlanError
 from dtmega.passes.hidden_out import returns_hidden
+from dtmega.passes.loss import Loss, plan_loss
 from dtmega.passes.pipeline_forward import pipeline_forward
 from dtmega.passes.program import Program
 from dtmega.passes.results import PipelineStages
@@ -109,6 +109,8 @@ class PipelineExecutor(Executor):
         self.scale = 1.0
         self._stages: list[_Stage] | None = None
         self._schedules: dict[int, object] = {}
+        self._plan_loss: Loss | None = None
+        self._target_layout: tuple = ()
 
     def default_microbatches(self) -> int:
         return self.info.microbatches
@@ -129,9 +131,11 @@ class PipelineExecutor(Executor):
         return self._stages
 
     @property
-    def _fused_loss(self) -> bool:
-        kernel = self.program.layout[self.program.facts.output].kernel or ""
-        return kernel.startswith("cross_entropy.fused_linear.")
+    def loss(self) -> Loss:
+        """The plan's loss (passes/loss.py): the same criterion every executor uses."""
+        if self._plan_loss is None:
+            self._plan_loss = plan_loss(self.program)
+        return self._plan_loss
 
     def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         """The model's logits for `tokens` on every rank of the pipeline (vocab-sharded DTensor
@@ -146,19 +150,13 @@ class PipelineExecutor(Executor):
         return logits
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        kernel = self.program.layout[self.program.facts.output].kernel or ""
-        if self._fused_loss:  # the last stage returns hidden states (returns_hidden, in run)
-            from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
-
-            weight = self.stages[-1].submod.get_submodule(self.program.facts.output).weight
-            total = fused_linear_cross_entropy_sum(output.flatten(0, 1), weight, target[..., 0].long().flatten(),
-                                                   target[..., 1].float().flatten(), impl=kernel.rpartition(".")[2])
-            return total * self.scale
-        if self.logits_sharded:
+        """The last stage's loss of one micro-batch: the plan's criterion over the stage's output
+        (vocab-sharded logits come back as DTensors) and the micro-batch's loss fields."""
+        if self.logits_sharded and not self.loss.hidden_out:
             tp_mesh = self.program.submesh(self.program.axes.name("tensor"))
             output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False)
-        losses = per_token_cross_entropy(output, target[..., 0].long())
-        return (losses * target[..., 1].float()).sum() * self.scale
+        batch = Batch.from_loss_target(target, self._target_layout)
+        return self.loss.criterion(self.stages[-1].submod, output, batch) * self.scale
 
     def schedule(self, microbatches: int):
         """The schedule for `microbatches` per step (built once per count)."""
@@ -180,12 +178,12 @@ class PipelineExecutor(Executor):
             )
         self.scale = step.grad_scale if step.train else 1.0  # a tensor: no host synchronization
         schedule = self.schedule(microbatches)
-        target = torch.stack([batch.labels.double(), batch.loss_mask.double()], dim=-1)
+        target, self._target_layout = batch.loss_target()
         kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
         kwargs = {} if batch.position_ids is None else {kwarg: batch.position_ids}
         losses: list[torch.Tensor] = []
         inputs = (batch.tokens,) if self.has_first else ()
-        outputs = self.program.modules_at(self.program.facts.output) if self._fused_loss else []
+        outputs = self.program.modules_at(self.program.facts.output) if self.loss.hidden_out else []
         with loss_parallel() if self.logits_sharded else contextlib.nullcontext(), returns_hidden(outputs):
             if step.train:
                 schedule.step(*inputs, target=target, losses=losses, **kwargs)

@@ -16,7 +16,7 @@ A hook overrides only what it needs; every method has a do-nothing default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,12 +27,25 @@ from dtmega.passes.errors import PlanError
 
 @dataclass
 class Batch:
-    """The unpacked, validated fields of a batch ([B, S] tensors)."""
+    """The unpacked, validated fields of a batch: [B, S] tensors, one per token.
+
+    `extra` holds the per-token fields a plan's passes and loss declared beyond the four every
+    plan has (`Pass.batch_fields`, `Loss.fields`: document ids, token weights, MTP labels, ...).
+    Every field is cut by the same rules, here and nowhere else: dim 0 across data-parallel ranks
+    (the TensorDict) and micro-batches (`split`), dim 1 across context-parallel ranks (`map`);
+    under pipeline parallelism the loss's fields travel to the last stage packed (`loss_target`)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor | None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        """The batch with `fn` applied to every per-token tensor (a sharding of dim 0 or 1)."""
+        return Batch(fn(self.tokens), fn(self.labels), fn(self.loss_mask),
+                     None if self.position_ids is None else fn(self.position_ids),
+                     {name: fn(tensor) for name, tensor in self.extra.items()})
 
     def split(self, microbatches: int) -> list["Batch"]:
         """Splits dim 0 into `microbatches` equal parts (gradient accumulation, pipelining)."""
@@ -42,11 +55,24 @@ class Batch:
                 f"a batch of {size} sequences cannot be split into {microbatches} equal micro-batches. "
                 f"Fix: make the batch size a multiple of {microbatches}"
             )
-        parts = [
-            t.chunk(microbatches) if t is not None else [None] * microbatches
-            for t in (self.tokens, self.labels, self.loss_mask, self.position_ids)
-        ]
-        return [Batch(*fields) for fields in zip(*parts)]
+        return [self.map(lambda t, i=i: t.chunk(microbatches)[i]) for i in range(microbatches)]
+
+    def loss_target(self) -> tuple[torch.Tensor, tuple[tuple[str, torch.dtype], ...]]:
+        """What the loss reads (labels, loss mask, extra fields) as one float64 [B, S, F] tensor,
+        and the names and dtypes to unpack it with (`from_loss_target`): how a pipeline hands
+        them to the loss on the last stage (its schedule splits one target tensor). float64
+        holds every token id and mask exactly."""
+        fields = {"labels": self.labels, "loss_mask": self.loss_mask, **self.extra}
+        return (torch.stack([t.double() for t in fields.values()], dim=-1),
+                tuple((name, t.dtype) for name, t in fields.items()))
+
+    @staticmethod
+    def from_loss_target(target: torch.Tensor, layout: tuple[tuple[str, torch.dtype], ...]) -> "Batch":
+        """The loss's fields of a micro-batch back from `loss_target` (no tokens: the loss does
+        not read them)."""
+        fields = {name: target[..., i].to(dtype) for i, (name, dtype) in enumerate(layout)}
+        labels, loss_mask = fields.pop("labels"), fields.pop("loss_mask")
+        return Batch(labels, labels, loss_mask, None, fields)
 
 
 @dataclass

@@ -23,3 +23,37 @@ class EmbeddingOverAxis(Pass):
 
     def apply(self, program: Program) -> None:
         apply_styles(program, "tensor_parallel", self.axis)
+
+
+# ---- a loss of one's own, reading a per-token field of the batch -------------------------------
+TOKEN_WEIGHTED = "cross_entropy.token_weighted"
+
+
+def token_weighted_sum(owner, logits, batch):
+    """Cross entropy weighted per token by the batch's `token_weight` field, summed over loss tokens."""
+    from dtmega.kernels import per_token_cross_entropy
+
+    return (per_token_cross_entropy(logits, batch.labels) * batch.loss_mask * batch.extra["token_weight"]).sum()
+
+
+@dataclass
+class TokenWeightedLoss(Pass):
+    """Trains on cross entropy weighted per token (`make_batch(..., token_weight=w)`): the output
+    module's kernel names the registered loss, which declares the field it reads."""
+
+    def annotate(self, program: Program) -> None:
+        program.layout[program.facts.output].kernel = TOKEN_WEIGHTED
+
+    def apply(self, program: Program) -> None:
+        pass
+
+
+def _register() -> None:
+    from dtmega.kernels.registry import KernelSpec, register_kernel
+    from dtmega.passes.loss import Loss, register_loss
+
+    register_kernel(KernelSpec(TOKEN_WEIGHTED, "cross_entropy", "cross entropy weighted per token"), replace=True)
+    register_loss(TOKEN_WEIGHTED, lambda program: Loss(token_weighted_sum, fields=("token_weight",)))
+
+
+_register()

@@ -13,7 +13,6 @@ from torch import nn
 from dtmega.batch import unpack_batch
 from dtmega.model_weights import ModelWeights
 from dtmega.passes import Layout, Plan, PlanError, Program
-from dtmega.passes.compile import Compile
 from dtmega.passes.families import default_logits
 from dtmega.passes.loss import loss_for, plan_loss
 from dtmega.passes.pipeline_runtime import PipelineParts
@@ -235,10 +234,10 @@ class ParallelModel(ModelWeights):
         return self.stats().get("moe", {"expert_load": {}, "dropped_fraction": 0.0})
 
     def compile(self, **kwargs) -> "ParallelModel":
-        """Shortcut for a `Compile(**kwargs)` pass at the end of the plan (e.g. backend="inductor"):
-        compiles every block in place and records it in the layout."""
-        compile_pass = Compile(**kwargs)
-        compile_pass.annotate(self.program)
-        compile_pass.apply(self.program)
-        self.plan.passes.append(compile_pass)
-        return self
+        """Refused: compiling is a plan decision. `Compile(...)` as the plan's last pass runs the
+        manager's order checks and every pass's `finalize` (FuseKernels hands norms, SwiGLU and
+        RoPE back to inductor inside compiled blocks on GPUs), which a shortcut after `apply`
+        would skip, leaving another layout than the same plan with the pass."""
+        arguments = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+        raise PlanError(f"pm.compile({arguments}): compiling is a pass: add Compile({arguments}) as the last pass of "
+                        "the plan given to dtmega.parallelize (dtmega.passes.Compile)")

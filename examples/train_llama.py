@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dtmega
 from dtmega.models import Llama, LlamaConfig
-from dtmega.passes import ContextParallel, DataParallel, ExpertParallel, Plan, SequenceParallel, TensorParallel
+from dtmega.passes import Compile, ContextParallel, DataParallel, ExpertParallel, Plan, SequenceParallel, TensorParallel
 
 
 def markov_batch(batch: int, seq: int, vocab: int, step: int, successors: int = 4) -> dict:
@@ -65,11 +65,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         *([ContextParallel(method=args.cp_method)] if args.cp > 1 else []),
         *([ExpertParallel(dispatcher=args.dispatcher)] if args.ep > 1 else []),
         DataParallel("fsdp", param_dtype="bfloat16" if args.bf16 else "float32"),
+        *([Compile(backend=args.compile)] if args.compile != "none" else []),
     ])
     pm = dtmega.parallelize(model, mesh, plan)
     pm.init_weights(seed=0)
-    if args.compile != "none":
-        pm.compile(backend=args.compile)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
 

@@ -8,7 +8,7 @@ import pytest
 
 import dtmega
 from dtmega.passes import (
-    ContextParallel, DataParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
+    Compile, ContextParallel, DataParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
 )
 from tests.helpers import (
     assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, mesh,
@@ -46,9 +46,8 @@ def check_plan(sizes: dict, passes: list) -> None:
 
 def test_compiled_ring_attention_model_matches_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=25)
-    pm = dtmega.parallelize(meta_copy(), mesh(cp=2), [ContextParallel(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), mesh(cp=2), [ContextParallel(), DataParallel("fsdp"), Compile("aot_eager")])
     pm.init_weights(seed=25)
-    pm.compile(backend="aot_eager")
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))
 
 

@@ -46,16 +46,19 @@ def test_compiled_model_matches_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=13)
     pm = dtmega.parallelize(
         meta_copy(), mesh(tp=2, dp_shard=2),
-        [dtmega.passes.TensorParallel(), dtmega.passes.SequenceParallel(), dtmega.passes.DataParallel()],
+        [dtmega.passes.TensorParallel(), dtmega.passes.SequenceParallel(), dtmega.passes.DataParallel(),
+         dtmega.passes.Compile("aot_eager")],
     )
     pm.init_weights(seed=13)
-    pm.compile(backend="aot_eager")
     assert pm.layout["layers.0"].compiled == "aot_eager"
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=48))
 
 
 def test_compile_of_tp_without_sp_is_refused():
     _, meta_copy = build_dtmega_llama(debug_llama(), seed=13)
-    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), [dtmega.passes.TensorParallel()])
     with pytest.raises(dtmega.PlanError, match="needs SequenceParallel"):
+        dtmega.parallelize(meta_copy(), mesh(tp=2), [dtmega.passes.TensorParallel(), dtmega.passes.Compile("aot_eager")])
+    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), [dtmega.passes.TensorParallel()])
+    with pytest.raises(dtmega.PlanError, match=r"compiling is a pass: add Compile\(backend='aot_eager'\) as the last "
+                                               r"pass of the plan"):
         pm.compile(backend="aot_eager")

@@ -9,8 +9,8 @@ import torch
 
 import dtmega
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Recompute, SequenceParallel,
-    TensorParallel,
+    Compile, ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Recompute,
+    SequenceParallel, TensorParallel,
 )
 from tests.helpers import (
     assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, full, mesh,
@@ -56,9 +56,9 @@ def test_fused_kernels_with_expert_parallelism_match_unsharded():
 def test_fused_kernels_in_compiled_blocks_match_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=23)
     pm = dtmega.parallelize(meta_copy(), mesh(tp=2, dp_shard=2),
-                            [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp")])
+                            [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp"),
+                             Compile("aot_eager")])
     pm.init_weights(seed=23)
-    pm.compile(backend="aot_eager")
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))
 
 

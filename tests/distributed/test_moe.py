@@ -14,7 +14,8 @@ from dtmega.models import LlamaConfig
 from dtmega.models.moe import moe_layers
 from dtmega.passes.expert_parallel import ExpertDispatch
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
+    Compile, ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel,
+    TensorParallel,
 )
 from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, mesh
 from tests.interop_models import hf_tiny_mixtral, torchtitan_tiny_moe, with_fp32_experts
@@ -142,9 +143,8 @@ def test_fewer_local_experts_than_fsdp_ranks_shard_another_dim():
 
 def test_compiled_moe_blocks_match_unsharded():
     reference, meta_copy = build_dtmega_llama(moe_llama().replace(n_layers=2), seed=36)
-    pm = dtmega.parallelize(meta_copy(), mesh(ep=2), [ExpertParallel(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), mesh(ep=2), [ExpertParallel(), DataParallel("fsdp"), Compile("aot_eager")])
     pm.init_weights(seed=36)
-    pm.compile(backend="aot_eager")
     assert_close_to_reference(compare_training(reference, pm, steps=2, seq_len=16))
 
 

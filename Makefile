@@ -11,7 +11,7 @@ NPROC ?= 4
 DEMO := runs/demo
 KJV = $$($(PY) -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('bible').submodule_search_locations[0], 'data', 'kjv.jsonl'))")
 
-.PHONY: train test test-portable gpu-check install install-dev clean
+.PHONY: train test lint test-portable gpu-check install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,9 +51,13 @@ train: $(DEMO)/data/kjv_text_document.idx
 # The unit tests, then the distributed suite in one 4-rank torchrun session
 # (tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
 # unfinished tests rerun once; docs/testing.md).
-test: $(VENV)/.installed-dev
+test: lint
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=15
 	$(PY) tests/distributed_session.py
+
+# ruff with the repository's configuration (pyproject.toml [tool.ruff]); the layering test is in tests/unit.
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
 
 # The distributed session under every CPU kernel level torch can use here (default, avx2, and
 # native: avx512 where the CPU has it), one summary line each; CI runs `make test` only.

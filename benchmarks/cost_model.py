@@ -37,7 +37,13 @@ SEQ, MICRO_BATCH, STEPS = 512, 2, 5
 def plans():
     """name -> (mesh sizes, passes, micro-batches, moe)."""
     from dtmega.passes import (
-        ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
+        ContextParallel,
+        DataParallel,
+        ExpertParallel,
+        PipelineSplit,
+        Recompute,
+        SequenceParallel,
+        TensorParallel,
     )
 
     return {

@@ -34,12 +34,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
+from benchmarks.common import machine
 from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
 from dtmega.kernels.rmsnorm import rms_norm, rms_norm_residual
 from dtmega.kernels.rope import apply_rope_qk
 from dtmega.kernels.swiglu import swiglu
-
-from benchmarks.common import machine
 from dtmega.models.rope import apply_rope, rope_cache
 from dtmega.printing import console
 

@@ -16,6 +16,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DtmegaError": "dtmega.kernels.errors",
     "console": "dtmega.printing",
     "make_batch": "dtmega.batch",
     "synthetic_batch": "dtmega.batch",

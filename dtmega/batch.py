@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.runtime import Batch  # noqa: F401  (the unpacked batch; defined with the runtime protocol)
 
 REQUIRED = ("tokens", "labels")
@@ -58,13 +59,13 @@ def unpack_batch(batch: TensorDict, vocab_size: int | None = None, fields: tuple
     if missing:
         raise KeyError(f"batch is missing {missing}; it needs 'tokens' and 'labels' (and may have {OPTIONAL})")
     if len(batch.batch_size) != 2:
-        raise ValueError(f"batch.batch_size must be [B, S], got {list(batch.batch_size)}")
+        raise DtmegaError(f"batch.batch_size must be [B, S], got {list(batch.batch_size)}")
     tokens, labels = batch["tokens"], batch["labels"]
     for name, tensor in (("tokens", tokens), ("labels", labels)):
         if tensor.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"batch[{name!r}] must hold integer token ids, got {tensor.dtype}")
         if vocab_size is not None and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= vocab_size):
-            raise ValueError(
+            raise DtmegaError(
                 f"batch[{name!r}] holds ids in [{int(tensor.min())}, {int(tensor.max())}] but the model's "
                 f"vocabulary is [0, {vocab_size}). Fix: tokenize with a vocabulary no larger than the model's"
             )

@@ -90,12 +90,13 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
         Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
     module = importlib.import_module(commands[command])
     from dtmega.joining import DistributedTimeout
+    from dtmega.kernels.errors import DtmegaError
     status = 0
     try:
         module.main(rest)
-    # Every dtmega input error (PlanError, ArgumentError, CheckpointError, InputError,
-    # DatasetFormatError, ...) is a ValueError with a message that names the fix.
-    except (ValueError, FileNotFoundError) as error:
+    # Every input error (PlanError, ArgumentError, CheckpointError, ...) is a DtmegaError whose
+    # message names the fix: one line, exit 2. Anything else is a bug: its traceback, exit 1.
+    except DtmegaError as error:
         if os.environ.get("DTMEGA_TRACEBACK"):
             raise
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one message is enough

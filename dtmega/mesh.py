@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtmega.joining import rendezvous
-from dtmega.passes.axes import STANDARD_AXES as AXES  # Megatron's order, slowest to fastest
+from dtmega.passes.axes import (
+    STANDARD_AXES as AXES,  # Megatron's order, slowest to fastest
+)
 from dtmega.passes.errors import PlanError
 
 

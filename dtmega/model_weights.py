@@ -4,7 +4,11 @@ unsharded state dicts, and resharding FSDP roots after a no-grad forward."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 
 

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from dtmega.batch import unpack_batch
+from dtmega.kernels.errors import DtmegaError
 from dtmega.model_weights import ModelWeights
 from dtmega.passes import Layout, Plan, PlanError, Program
 from dtmega.passes.families import default_logits
@@ -185,7 +186,7 @@ class ParallelModel(ModelWeights):
         if tokens.device.type == "cuda":  # checked on the device: no host synchronization
             torch._assert_async(tokens > 0, "the global batch has no token with loss_mask=1")
         elif float(tokens) == 0:
-            raise ValueError("the global batch has no token with loss_mask=1; nothing to learn from")
+            raise DtmegaError("the global batch has no token with loss_mask=1; nothing to learn from")
         ranks = self.program.data_size()
         step = StepContext(microbatches or self.executor.default_microbatches(), loss_scale, ranks,
                            ranks * loss_scale / tokens, train)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
-from dtmega.kernels.context_shards import CommStats, token_indices
 from dtmega.kernels.allgather_attention import AllGatherAttention
+from dtmega.kernels.context_shards import CommStats, token_indices
 from dtmega.kernels.ring_attention import RingAttention
 
 METHODS = ("ring", "all_gather", "a2a")

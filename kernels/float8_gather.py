@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dtmega.kernels.float8 import Float8Recipe, quantize
+from dtmega.kernels.float8_scaling import W, tensor_scale
 from dtmega.kernels.precision import accumulation_dtype
 
 aten = torch.ops.aten
@@ -68,8 +69,6 @@ class Float8GatherScale:
 
     def scale(self, shard: torch.Tensor) -> torch.Tensor:
         """The scale every rank casts its shard of the weight with (see the class docstring)."""
-        from dtmega.kernels.float8_linear import W, tensor_scale  # imports this module: no top-level cycle
-
         record = self.linear.training and getattr(self.linear, "counting", True)
         return tensor_scale(shard, W, self.fp8_dtype, self.recipe, self.state, self.group, record)
 

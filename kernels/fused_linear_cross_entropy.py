@@ -49,10 +49,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtmega.kernels import linear_cross_entropy_ops  # noqa: F401  (registers the dtmega:: ops)
 from dtmega.kernels.linear_cross_entropy_core import (  # noqa: F401  (re-exported)
-    CHUNK_LOGITS_BYTES, _check, default_chunk_size,
+    CHUNK_LOGITS_BYTES,
+    _check,
+    default_chunk_size,
 )
 from dtmega.kernels.triton_support import check_impl
 from dtmega.kernels.vocab_parallel_cross_entropy import _options, _VocabParallel
+
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,

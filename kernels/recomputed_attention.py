@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from dtmega.kernels.attention_blocks import (
-    block_attention, block_attention_backward, reference_block_attention, reference_block_attention_backward,
+    block_attention,
+    block_attention_backward,
+    reference_block_attention,
+    reference_block_attention_backward,
 )
 
 

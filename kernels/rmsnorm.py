@@ -17,7 +17,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from dtmega.kernels.triton_support import (
-    check_impl, kernel_factory, launch, num_warps_for, persistent_programs, wants_triton,
+    check_impl,
+    kernel_factory,
+    launch,
+    num_warps_for,
+    persistent_programs,
+    wants_triton,
 )
 
 

@@ -8,7 +8,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtmega.kernels.linear_cross_entropy_core import (
-    _backward, _check, _forward, _Options, default_chunk_size,
+    _backward,
+    _check,
+    _forward,
+    _Options,
+    default_chunk_size,
 )
 
 # ---------------------------------------------------------------------------------------------

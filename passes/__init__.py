@@ -18,7 +18,13 @@ from dtmega.passes.plan import Plan
 from dtmega.passes.program import Program
 from dtmega.passes.recompute import Recompute
 from dtmega.passes.results import (
-    Compilation, ContextSharding, DataParallelism, ExpertPlacement, PassResult, PipelineStages, TensorParallelism,
+    Compilation,
+    ContextSharding,
+    DataParallelism,
+    ExpertPlacement,
+    PassResult,
+    PipelineStages,
+    TensorParallelism,
 )
 from dtmega.passes.rules import Rule
 from dtmega.passes.runtime import Batch, Executor, RuntimeHook, StepContext
@@ -29,7 +35,8 @@ from dtmega.passes.workload import Workload
 
 __all__ = [
     "Batch", "Compilation", "Compile", "ContextParallel", "ContextSharding", "DataParallel", "DataParallelism",
-    "ExpertParallel", "ExpertPlacement", "Executor", "Float8", "FuseKernels", "Layout", "LayoutChange", "MeshAxes", "ModelFacts", "ModelFamily",
+    "ExpertParallel", "ExpertPlacement", "Executor", "Float8", "FuseKernels", "Layout", "LayoutChange", "MeshAxes",
+    "ModelFacts", "ModelFamily",
     "ModuleLayout", "ParamLayout", "Pass", "PassManager", "PassResult", "PipelineSplit", "PipelineStages", "Plan",
     "PlanError", "Program", "Recompute", "Rule", "RuntimeHook", "SequenceParallel", "StepContext", "Style",
     "TensorParallel", "TensorParallelism", "Workload", "apply_styles", "family_of", "register_family", "register_style",

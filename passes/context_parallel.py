@@ -188,7 +188,7 @@ class SequenceSharding(RuntimeHook):
         seq, parts = batch.tokens.shape[1], self.sharding.parts
         if seq % parts:
             how = f"2 x cp = {parts} (zigzag load balancing)" if self.sharding.zigzag else f"cp = {parts}"
-            raise ValueError(
+            raise PlanError(
                 f"sequence length {seq} is not divisible by {how}. Fix: use a sequence length that is a multiple "
                 f"of {parts}" + (", or ContextParallel(load_balance=None)" if self.sharding.zigzag else "")
             )

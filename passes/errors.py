@@ -1,7 +1,9 @@
 """The one error type the compiler raises for a bad plan, model or mesh."""
 
+from dtmega.kernels.errors import DtmegaError
 
-class PlanError(ValueError):
+
+class PlanError(DtmegaError):
     """A plan cannot run as written. The message names the problem and the fix.
 
     Raised while annotating and validating, before any parameter is materialized or any

@@ -29,6 +29,7 @@ from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_
 from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
+from dtmega.passes.float8_groups import amax_group
 from dtmega.passes.program import Program
 from dtmega.passes.results import DataParallelism, PassResult
 from dtmega.passes.runtime import RuntimeHook
@@ -188,14 +189,6 @@ class Float8(Pass):
                 if self.param_gather:
                     gather_weight_in_fp8(module, Float8GatherScale(recipe, state, group, module))
         program.add_hook(Float8Scaling(states, recipe, group))
-
-
-def amax_group(program: Program):
-    """The ranks whose pieces of the same tensors an amax must cover: tensor-parallel shards and
-    the data (x context) ranks holding other tokens; None when that is this rank alone."""
-    axes = [*program.data_axes(), program.axes.name("tensor")]
-    wide = [axis for axis in axes if program.mesh_shape.get(axis, 1) > 1]
-    return program.flat_submesh(wide).get_group() if wide else None
 
 
 def _fp8_forward(module: nn.Linear, recipe: Float8Recipe, state, group):

@@ -31,7 +31,7 @@ def apply_transformer_engine(program, float8_pass, choice) -> None:
     """Swaps the chosen nn.Linear modules for te.Linear and wraps each part in fp8_autocast."""
     import transformer_engine.pytorch as te
 
-    from dtmega.passes.float8 import amax_group
+    from dtmega.passes.float8_groups import amax_group
 
     if program.role_size("tensor") > 1:
         raise ValueError("Transformer Engine's linears shard themselves (their own tensor parallelism); with dtmega's "

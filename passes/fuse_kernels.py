@@ -23,8 +23,8 @@ from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.kernels.triton_support import triton_available
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
-from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out, returns_hidden
-from dtmega.passes.fusion_sites import FORWARDS, SITES, fuse_block_residual
+from dtmega.passes.fusion_sites import BLOCK_RESIDUALS, FORWARDS, SITES
+from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out
 from dtmega.passes.loss import Loss, register_loss
 from dtmega.passes.program import Program
 from dtmega.passes.results import Compilation, PassResult
@@ -87,7 +87,8 @@ class FuseKernels(Pass):
                          "fusion_sites.register_fusion): its norms, MLPs and RoPE run unfused")
         count = 0
         for op, fqns in sites.items():
-            if not wanted[op] or (family.name, op) not in FORWARDS:
+            supported = family.name in BLOCK_RESIDUALS if op == "rms_norm_residual" else (family.name, op) in FORWARDS
+            if not wanted[op] or not supported:
                 continue
             for fqn in fqns:
                 entry = program.layout[fqn]
@@ -132,7 +133,7 @@ class FuseKernels(Pass):
                     install_hidden_out(module)  # logits, except hidden states inside the fused loss
                 elif op == "rms_norm_residual":
                     block = program.module(fqn.rpartition(".")[0]) if fqn.rpartition(".")[0] else None
-                    fuse_block_residual(block, impl)
+                    BLOCK_RESIDUALS[family](block, impl)
                 elif (family, op) in FORWARDS:
                     module.forward = FORWARDS[(family, op)](module, impl)
 

@@ -62,7 +62,8 @@ def parse_layout(text: str, stages: int, n_layers: int) -> list[tuple[int, bool,
         if not (blocks or embedding or loss):
             raise PlanError(f"pipeline layout {text!r}: stage {index} holds no layers")
         result.append((blocks, embedding > 0, loss > 0))
-    if [i for i, (_, e, _) in enumerate(result) if e] != [0] or [i for i, (_, _, l) in enumerate(result) if l] != [stages - 1]:
+    if ([i for i, (_, e, _) in enumerate(result) if e] != [0]
+        or [i for i, (_, _, has_loss) in enumerate(result) if has_loss] != [stages - 1]):
         raise PlanError(f"pipeline layout {text!r}: E must appear once, in the first stage, and L once, in the last")
     if sum(b for b, _, _ in result) != n_layers:
         raise PlanError(f"pipeline layout {text!r} places {sum(b for b, _, _ in result)} blocks; the model has {n_layers}")
@@ -141,7 +142,7 @@ class PipelineSplit(Pass):
                 sizes[0] = first
             if last is not None:
                 sizes[-1] = last
-            return [(b, e, l) for b, (e, l) in zip(sizes, flags)]
+            return [(b, e, has_loss) for b, (e, has_loss) in zip(sizes, flags)]
         units = n_layers + int(self.count_embedding) + int(self.count_loss)
         if units % stages:
             counted = " (+ embedding)" * self.count_embedding + " (+ loss)" * self.count_loss
@@ -151,8 +152,8 @@ class PipelineSplit(Pass):
                 "or an explicit layout='Et*..|..|t*..L'"
             )
         per = units // stages
-        sizes = [per - int(self.count_embedding and e) - int(self.count_loss and l) for e, l in flags]
-        return [(b, e, l) for b, (e, l) in zip(sizes, flags)]
+        sizes = [per - int(self.count_embedding and e) - int(self.count_loss and has_loss) for e, has_loss in flags]
+        return [(b, e, has_loss) for b, (e, has_loss) in zip(sizes, flags)]
 
     # ---- the two halves ------------------------------------------------------------------------
     def annotate(self, program: Program) -> None:
@@ -173,8 +174,8 @@ class PipelineSplit(Pass):
                 f"{type(program.modules.get(container)).__name__}. Models such as dtmega's and torchtitan's Llama qualify"
             )
         sizes = self._stage_sizes(stages, facts.n_layers)
-        empty = [i for i, (blocks, e, l) in enumerate(sizes) if blocks == 0 and not (e and self.count_embedding)
-                 and not (l and self.count_loss) and not self.layout]
+        empty = [i for i, (blocks, e, has_loss) in enumerate(sizes) if blocks == 0 and not (e and self.count_embedding)
+                 and not (has_loss and self.count_loss) and not self.layout]
         if empty or any(b < 0 for b, _, _ in sizes):
             raise PlanError(
                 f"stage(s) {empty or [i for i, (b, _, _) in enumerate(sizes) if b < 0]} would hold no layers "

@@ -172,7 +172,7 @@ class PipelineExecutor(Executor):
         rank's share of the summed, unscaled loss (non-zero only where the last stage lives)."""
         microbatches = step.microbatches
         if batch.tokens.shape[0] % microbatches:
-            raise ValueError(
+            raise PlanError(
                 f"a batch of {batch.tokens.shape[0]} sequences cannot be split into {microbatches} pipeline "
                 f"micro-batches. Fix: make the batch size a multiple of {microbatches}"
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, Sequence
 
-
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.toml_io import dump_toml, load_toml

@@ -90,7 +90,8 @@ def _dtmega_core(module: nn.Module):
     forward = module.forward
 
     def recomputed(q, k, v, q_offset: int | torch.Tensor = 0):
-        if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():  # decoding with a KV cache: nothing to recompute
+        # decoding with a KV cache: nothing to recompute
+        if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
             return forward(q, k, v, q_offset=q_offset)
         return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 

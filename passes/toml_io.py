@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 
+from dtmega.kernels.errors import MissingInput
 from dtmega.passes.errors import PlanError
 
 
@@ -24,7 +25,7 @@ def load_toml(source: str | Path) -> dict[str, Any]:
     if isinstance(source, Path) or ("\n" not in source and source.endswith(".toml")):
         path = Path(source)
         if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist")
+            raise MissingInput(f"{path} does not exist")
         source = path.read_text()
     try:
         return tomllib.loads(source)

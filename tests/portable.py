@@ -37,7 +37,8 @@ def run(level: str) -> tuple[str, str, float, int]:
     if level != "native":
         env["ATEN_CPU_CAPABILITY"] = level
     used = capability(env)
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "4", "--local-ranks-filter", "0",
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "4",
+        "--local-ranks-filter", "0",
                "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider"]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dtmega-portable-") as crash_dir:

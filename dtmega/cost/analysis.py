@@ -13,7 +13,12 @@ from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.passes.fuse_kernels import FusedLoss
 from dtmega.passes.program import Program
 from dtmega.passes.results import (
-    Compilation, ContextSharding, DataParallelism, ExpertPlacement, PipelineStages, TensorParallelism,
+    Compilation,
+    ContextSharding,
+    DataParallelism,
+    ExpertPlacement,
+    PipelineStages,
+    TensorParallelism,
 )
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from dtmega.cost.hardware import Hardware
+from dtmega.kernels.errors import DtmegaError
 
 
-class CalibrationError(ValueError):
+class CalibrationError(DtmegaError):
     """Options `dtmega calibrate` cannot use; the message names the fix."""
 
 
@@ -139,10 +140,9 @@ REFERENCE_BATCH = 2
 def _sharded_op_overhead(device: str, seconds: float) -> float:
     """Extra seconds an operator on DTensors costs over the same operator on plain tensors (the
     sharding propagation and dispatch tensor parallelism adds to every op of a block)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
-
-    import torch.distributed as dist
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     plain = torch.randn(8, 8, device=device)
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{hardware.peak_flops['bfloat16'] / 1e9:.1f} GFLOP/s per rank; memory "
               f"{hardware.memory_bandwidth / 1e9:.1f} GB/s; all-reduce bus {hardware.intra_node_bandwidth / 1e9:.2f} GB/s, "
               f"latency {hardware.intra_node_latency * 1e6:.0f} us; matmul efficiency in a step "
-              f"{hardware.efficiency:.2f}, operator {hardware.op_overhead * 1e6:.1f} us (+{hardware.sharded_op_overhead * 1e6:.0f} "
+              f"{hardware.efficiency:.2f}, operator {hardware.op_overhead * 1e6:.1f} us "
+              f"(+{hardware.sharded_op_overhead * 1e6:.0f} "
               "us on DTensors) "
               f"({args.ranks} ranks at once)", highlight=False)
     out.print(f"wrote {args.out}", highlight=False)

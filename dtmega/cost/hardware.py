@@ -13,10 +13,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dtmega.cost.datasheets import GPU_PEAK_TFLOPS
+from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.toml_io import dump_toml, load_toml
 
 
-class HardwareError(ValueError):
+class HardwareError(DtmegaError):
     """A hardware name or file that cannot be used; the message names the fix."""
 
 
@@ -86,8 +88,6 @@ _T, _G = 1e12, 1e9
 def _datasheet(gpu: str, fp8: float | None = None) -> dict[str, float]:
     """Peak dense matmul FLOP/s by dtype from the trainer's datasheet table (one table for the
     planner and the trainer's MFU), with the FP8 rate where the GPU has one."""
-    from dtmega.train.metrics import GPU_PEAK_TFLOPS
-
     half, single = GPU_PEAK_TFLOPS[gpu]
     rates = {"bfloat16": half * _T, "float16": half * _T, "float32": single * _T}
     return {"float8": fp8 * _T, **rates} if fp8 else rates

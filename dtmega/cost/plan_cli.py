@@ -26,10 +26,11 @@ from dtmega.cost.memory import gib
 from dtmega.cost.plan_flags import as_flags, train_options
 from dtmega.cost.search import SearchResult, Workload, matches, parse_plan_spec, search
 from dtmega.cost.shapes import ModelShape
+from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.toml_io import dump_toml
 
 
-class PlanArgumentError(ValueError):
+class PlanArgumentError(DtmegaError):
     """Options `dtmega plan` cannot use; the message names the fix."""
 
 

@@ -19,6 +19,7 @@ from dtmega.cost.estimate import CostEstimate, estimate
 from dtmega.cost.hardware import Hardware
 from dtmega.cost.memory import gib, memory
 from dtmega.cost.shapes import ModelShape, PlanShape
+from dtmega.kernels.errors import DtmegaError
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,11 @@ def parse_plan_spec(text: str) -> dict[str, object]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in known:
-            raise ValueError(f"--compare {text!r}: {item!r} is not key=value with a key of {sorted(known)}")
+            raise DtmegaError(f"--compare {text!r}: {item!r} is not key=value with a key of {sorted(known)}")
         try:
             out[key] = known[key](value)
         except ValueError:
-            raise ValueError(f"--compare {text!r}: {key} must be {known[key].__name__}, got {value!r}") from None
+            raise DtmegaError(f"--compare {text!r}: {key} must be {known[key].__name__}, got {value!r}") from None
     return out
 
 

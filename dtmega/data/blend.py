@@ -6,8 +6,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtmega.data.gpt_dataset import GPTDataset, GPTDatasetSpec, cached_index, split_documents
+from dtmega.data.gpt_dataset import (
+    GPTDataset,
+    GPTDatasetSpec,
+    cached_index,
+    split_documents,
+)
 from dtmega.data.indexed import IndexedDataset
+from dtmega.kernels.errors import DtmegaError
 
 SPLITS = ("train", "valid", "test")
 
@@ -23,19 +29,19 @@ def _is_number(text: str) -> bool:
 def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
     """(weight, prefix) pairs from `a`, `a b` (equal weights) or `0.3 a 0.7 b`."""
     if not items:
-        raise ValueError("--data-path is empty; give a dataset prefix such as data/corpus_text_document")
+        raise DtmegaError("--data-path is empty; give a dataset prefix such as data/corpus_text_document")
     numeric = [_is_number(item) for item in items]
     if not any(numeric):
         return [(1.0, prefix) for prefix in items]
     if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise ValueError(
+        raise DtmegaError(
             f"--data-path {' '.join(items)!r} mixes weights and paths unevenly; use either paths only "
             "(equal weights) or weight/path pairs: --data-path 0.3 data/a_text_document 0.7 data/b_text_document"
         )
     pairs = [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)]
     bad = [w for w, _ in pairs if not (w > 0 and np.isfinite(w))]
     if bad:
-        raise ValueError(f"--data-path weights must be positive numbers, got {bad}")
+        raise DtmegaError(f"--data-path weights must be positive numbers, got {bad}")
     total = sum(w for w, _ in pairs)
     return [(w / total, prefix) for w, prefix in pairs]
 

@@ -21,16 +21,17 @@ import numpy as np
 import torch.distributed as dist
 
 from dtmega.data.indexed import IndexedDataset
+from dtmega.kernels.errors import DtmegaError
 
 
-class DatasetTooSmallError(ValueError):
+class DatasetTooSmallError(DtmegaError):
     """The data cannot provide a single sample of the requested length."""
 
 
 def split_documents(split: list[float], num_documents: int) -> list[tuple[int, int]]:
     """Document ranges [lo, hi) of train/valid/test for split weights such as [969, 30, 1]."""
     if len(split) != 3 or any(w < 0 for w in split) or sum(split) <= 0:
-        raise ValueError(f"--split needs three non-negative weights with a positive sum, got {split}")
+        raise DtmegaError(f"--split needs three non-negative weights with a positive sum, got {split}")
     total = sum(split)
     bounds = [0]
     for weight in split:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dtmega.kernels.errors import DtmegaError, MissingInput
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 _HEADER_BYTES = len(INDEX_MAGIC) + 8 + 1 + 8 + 8
@@ -28,7 +30,7 @@ DTYPE_CODES: dict[int, type] = {
 CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 
 
-class DatasetFormatError(ValueError):
+class DatasetFormatError(DtmegaError):
     """A .bin/.idx pair is not a valid indexed dataset; the message says what and how to fix."""
 
 
@@ -67,7 +69,7 @@ class IndexedDatasetWriter:
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
-            raise ValueError(f"dtype {self.dtype} has no Megatron code")
+            raise DtmegaError(f"dtype {self.dtype} has no Megatron code")
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = Path(f"{bin_path(prefix)}.tmp")
         self._idx_tmp = Path(f"{idx_path(prefix)}.tmp")
@@ -156,7 +158,7 @@ class IndexedDataset:
         index_file, data_file = idx_path(prefix), bin_path(prefix)
         for path in (index_file, data_file):
             if not path.exists():
-                raise FileNotFoundError(
+                raise MissingInput(
                     f"{path} does not exist. Fix: pass the prefix without .bin/.idx (e.g. "
                     f"data/corpus_text_document) of files written by `dtmega preprocess`"
                 )

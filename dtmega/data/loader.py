@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from dtmega.batch import make_batch
+from dtmega.kernels.errors import DtmegaError
 
 
 def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool) -> TensorDict:
@@ -38,7 +39,7 @@ class BatchLoader:
                  eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0,
                  order: Callable[[int], int] | None = None):
         if global_batch % dp_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
+            raise DtmegaError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
         self.dataset, self.global_batch = dataset, global_batch
         self.dp_rank, self.local = dp_rank, global_batch // dp_size
         self.eod, self.eod_mask_loss, self.reset_position_ids = eod, eod_mask_loss, reset_position_ids

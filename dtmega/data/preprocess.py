@@ -20,13 +20,14 @@ from rich.console import Console
 
 from dtmega.data.indexed import IndexedDatasetWriter, token_dtype
 from dtmega.data.tokenizers import TokenizerSpec, build_tokenizer, train_bpe
+from dtmega.kernels.errors import DtmegaError, MissingInput
 from dtmega.progress import progress_bar
 from dtmega.writable import make_writable_dir
 
 LINES_PER_TASK = 512
 
 
-class InputError(ValueError):
+class InputError(DtmegaError):
     """The input cannot be preprocessed; the message names the line and the fix."""
 
 
@@ -167,9 +168,9 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
     """Tokenizes `config.input` into one indexed dataset per JSON key."""
     console = console or Console(stderr=True)
     if not config.input.is_file():
-        raise FileNotFoundError(f"--input {config.input} is not a file (a JSONL file is expected)")
+        raise MissingInput(f"--input {config.input} is not a file (a JSONL file is expected)")
     if config.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {config.workers}")
+        raise DtmegaError(f"--workers must be >= 1, got {config.workers}")
     try:  # before hours of tokenizing, not at the first write
         make_writable_dir(Path(config.output_prefix).parent)
     except OSError as error:
@@ -207,7 +208,8 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
                     progress.advance(size)
                     if isinstance(encoded, str):
                         if not config.skip_bad_lines:
-                            raise InputError(f"{config.input}: {encoded}. Fix the line, or pass --skip-bad-lines to skip and count such lines")
+                            raise InputError(f"{config.input}: {encoded}. Fix the line, or pass --skip-bad-lines to "
+                                             "skip and count such lines")
                         skipped.append(number)
                         continue
                     for key, ids in encoded.items():

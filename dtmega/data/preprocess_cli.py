@@ -9,6 +9,7 @@ from rich.console import Console
 
 from dtmega.data.preprocess import PreprocessConfig, preprocess
 from dtmega.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec
+from dtmega.kernels.errors import DtmegaError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     if args.split_sentences:
-        raise ValueError("--split-sentences is not supported yet: documents are tokenized whole")
+        raise DtmegaError("--split-sentences is not supported yet: documents are tokenized whole")
     if args.train_tokenizer and args.tokenizer_type not in (None, "HuggingFaceTokenizer"):
-        raise ValueError("--train-tokenizer makes a HuggingFaceTokenizer; drop --tokenizer-type or set it to that")
+        raise DtmegaError("--train-tokenizer makes a HuggingFaceTokenizer; drop --tokenizer-type or set it to that")
     if not args.train_tokenizer and args.tokenizer_type is None:
-        raise ValueError("--tokenizer-type is required (or --train-tokenizer VOCAB_SIZE)")
+        raise DtmegaError("--tokenizer-type is required (or --train-tokenizer VOCAB_SIZE)")
     spec = TokenizerSpec(args.tokenizer_type or "byte", args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
     console = Console(stderr=True)
     result = preprocess(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtmega.kernels.errors import DtmegaError
+
 DATALOADER_TYPES = ("single", "cyclic")
 
 
@@ -27,7 +29,7 @@ class CyclicOrder:
     def __init__(self, length: int, global_batch: int, seed: int):
         self.usable = length - length % global_batch
         if self.usable == 0:
-            raise ValueError(f"--dataloader-type cyclic: the dataset's {length} samples do not fill one global batch "
+            raise DtmegaError(f"--dataloader-type cyclic: the dataset's {length} samples do not fill one global batch "
                              f"of {global_batch}. Fix: a smaller --global-batch-size, or more data")
         self.seed = seed
         self._pass, self._permutation = -1, np.arange(0)

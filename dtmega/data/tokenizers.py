@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 import numpy as np
-
 from tokenizers import Tokenizer as HFTokenizerModel
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from dtmega.kernels.errors import DtmegaError, MissingInput
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -90,7 +91,7 @@ class HuggingFaceTokenizer:
         found = [token for token in candidates if token in vocab]
         if not found:
             wanted = repr(eod_token) if eod_token else f"any of {list(EOD_CANDIDATES)}"
-            raise ValueError(
+            raise DtmegaError(
                 f"the tokenizer has no end-of-document token ({wanted} not in its vocabulary). "
                 "Fix: pass --eod-token with a token it has"
             )
@@ -120,12 +121,12 @@ class SentencePieceTokenizer:
         if eod_token is not None:
             eod = self.model.piece_to_id(eod_token)
             if self.model.id_to_piece(eod) != eod_token:
-                raise ValueError(f"the SentencePiece model has no token {eod_token!r}. Fix: pass --eod-token with a "
+                raise DtmegaError(f"the SentencePiece model has no token {eod_token!r}. Fix: pass --eod-token with a "
                                  "token it has")
         else:
             eod = self.model.eos_id()
             if eod < 0:
-                raise ValueError("the SentencePiece model has no end-of-sentence token. Fix: pass --eod-token with a "
+                raise DtmegaError("the SentencePiece model has no end-of-sentence token. Fix: pass --eod-token with a "
                                  "token it has")
         self.eod = eod
         self.eod_token = self.model.id_to_piece(eod)
@@ -157,9 +158,9 @@ class TokenizerSpec:
 
 def _require_file(path: str | None, flag: str, kind: str) -> Path:
     if not path:
-        raise ValueError(f"--tokenizer-type {kind} needs {flag}")
+        raise DtmegaError(f"--tokenizer-type {kind} needs {flag}")
     if not Path(path).exists():
-        raise FileNotFoundError(f"{flag} {path} does not exist")
+        raise MissingInput(f"{flag} {path} does not exist")
     return Path(path)
 
 
@@ -178,7 +179,7 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
         model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         model.decoder = decoders.ByteLevel()
         return HuggingFaceTokenizer(model, spec.eod_token or BPE_EOD)
-    raise ValueError(f"--tokenizer-type {spec.tokenizer_type!r} is unknown; use one of {TOKENIZER_TYPES}")
+    raise DtmegaError(f"--tokenizer-type {spec.tokenizer_type!r} is unknown; use one of {TOKENIZER_TYPES}")
 
 
 def tokenizer_from_json(text: str, eod_token: str | None = None) -> Tokenizer:
@@ -200,10 +201,10 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
         for name in ("tokenizer.json", "tokenizer.model"):
             if (path / name).exists():
                 return tokenizer_from_path(path / name, eod_token or directory_eos_token(path))
-        raise FileNotFoundError(f"--tokenizer-model {path}: the directory holds neither tokenizer.json nor "
+        raise MissingInput(f"--tokenizer-model {path}: the directory holds neither tokenizer.json nor "
                                 "tokenizer.model. Fix: the directory the model's tokenizer was saved to")
     if not path.exists():
-        raise FileNotFoundError(f"--tokenizer-model {path} does not exist")
+        raise MissingInput(f"--tokenizer-model {path} does not exist")
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":
         text = data.decode("utf-8")
@@ -211,13 +212,13 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
             try:
                 HFTokenizerModel.from_str(text)
             except Exception as error:  # tokenizers raises a plain Exception for a file it cannot read
-                raise ValueError(f"--tokenizer-model {path} is JSON but not a tokenizers file ({error}). "
+                raise DtmegaError(f"--tokenizer-model {path} is JSON but not a tokenizers file ({error}). "
                                  "Fix: the model's tokenizer.json") from None
         return tokenizer_from_json(text, eod_token)
     try:
         return SentencePieceTokenizer(data, eod_token)
     except RuntimeError as error:  # sentencepiece's message for a file that is not a model proto
-        raise ValueError(f"--tokenizer-model {path} is neither a tokenizer.json nor a SentencePiece model ({error}). "
+        raise DtmegaError(f"--tokenizer-model {path} is neither a tokenizer.json nor a SentencePiece model ({error}). "
                          "Fix: tokenizer.json, tokenizer.model, or the Hugging Face tokenizer directory") from None
 
 
@@ -236,7 +237,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, save_to: Path) -> HuggingFa
     """Trains a byte-level BPE on `texts` (GPT-2 style, <|endoftext|> as end of document) and
     saves it as a tokenizers JSON file."""
     if vocab_size < 257 + 1:
-        raise ValueError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 258 tokens")
+        raise DtmegaError(f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 258 tokens")
     model = HFTokenizerModel(models.BPE())
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()

@@ -2,7 +2,11 @@
 plan, written streamed) and Megatron-Core torch_dist checkpoints. docs/checkpoints.md."""
 
 from dtmega.interop.hf_checkpoint import HFCheckpoint
-from dtmega.interop.hf_config import HFFormatError, hf_config_from_llama, llama_config_from_hf
+from dtmega.interop.hf_config import (
+    HFFormatError,
+    hf_config_from_llama,
+    llama_config_from_hf,
+)
 from dtmega.interop.hf_export import export_hf
 from dtmega.interop.hf_import import import_hf
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.printing import console
 from dtmega.progress import progress_bar
 
@@ -23,7 +24,7 @@ def parse_size(text: str) -> int:
     """Bytes of a size written as 5GB, 500MB, 2GiB or a plain number of bytes."""
     match = _SIZE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"--max-shard-size {text!r}: write it as 5GB, 500MB or a number of bytes")
+        raise DtmegaError(f"--max-shard-size {text!r}: write it as 5GB, 500MB or a number of bytes")
     number, unit = match.groups()
     return int(float(number) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit.upper()])
 

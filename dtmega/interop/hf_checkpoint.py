@@ -20,7 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
 from dtmega.interop.hf_config import HFFormatError, llama_config_from_hf

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
 from dtmega.models.moe_config import MoEConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
 
 
-class HFFormatError(ValueError):
+class HFFormatError(DtmegaError):
     """A Hugging Face checkpoint dtmega cannot read as asked; the message names the file, the
     field and the fix."""
 

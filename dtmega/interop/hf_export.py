@@ -24,7 +24,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from dtmega.data.tokenizers import BPE_EOD, ByteTokenizer, SentencePieceTokenizer, tokenizer_from_json
+from dtmega.data.tokenizers import (
+    BPE_EOD,
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    tokenizer_from_json,
+)
 from dtmega.interop.hf_config import HFFormatError, hf_config_from_llama
 from dtmega.interop.hf_layout import hf_tensors
 from dtmega.models.llama_config import LlamaConfig

@@ -36,12 +36,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtmega.interop.hf_layout import hf_rows_to_dtmega
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
 
 LAYERS = "decoder.layers."
 
 
-class MegatronFormatError(ValueError):
+class MegatronFormatError(DtmegaError):
     """A Megatron-Core checkpoint dtmega cannot convert as asked; names the key or flag."""
 
 

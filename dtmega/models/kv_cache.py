@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dtmega.kernels.errors import DtmegaError
+
 
 class LayerCache:
     """One block's keys and values, [B, max_len, kv_heads, head_dim], filled front to back.
@@ -21,7 +23,7 @@ class LayerCache:
         """Stores k, v [B, S, H, D] at the cache's current position; returns all keys/values so far."""
         start, length = self.owner.length, k.shape[1]
         if start + length > self.owner.max_len:
-            raise ValueError(f"KV cache holds {self.owner.max_len} positions; {start + length} were asked for")
+            raise DtmegaError(f"KV cache holds {self.owner.max_len} positions; {start + length} were asked for")
         if self.keys is None:
             shape = (k.shape[0], self.owner.max_len, *k.shape[2:])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtmega.init import InitSpec, init_parameters
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
 from dtmega.models.llama_config import LlamaConfig
@@ -123,7 +124,7 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if position_ids is None and start + seq > self.rope_cache.shape[0]:
-            raise ValueError(
+            raise DtmegaError(
                 f"{start + seq} positions, but the model's RoPE table has {self.rope_cache.shape[0]} "
                 f"(LlamaConfig.max_seq_len). Fix: a shorter sequence, or a model config with max_seq_len >= {start + seq}"
             )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.moe_config import MoEConfig
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -50,7 +52,7 @@ class LlamaConfig:
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if problems:
-            raise ValueError("invalid LlamaConfig: " + "; ".join(problems))
+            raise DtmegaError("invalid LlamaConfig: " + "; ".join(problems))
 
     @property
     def head_dim(self) -> int:

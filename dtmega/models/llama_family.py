@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import dtmega.models.llama_fusion  # noqa: F401  (registers the family's fusion sites)
 from dtmega.models.llama import Llama
 from dtmega.models.moe import MoE, moe_layers
 from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dtmega.kernels.errors import DtmegaError
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
@@ -68,7 +70,7 @@ class MoEConfig:
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0 or self.bias_update_rate < 0:
             problems.append("aux_loss_coeff, z_loss_coeff and bias_update_rate must be >= 0")
         if problems:
-            raise ValueError("invalid MoEConfig: " + "; ".join(problems))
+            raise DtmegaError("invalid MoEConfig: " + "; ".join(problems))
 
     def is_moe_layer(self, index: int) -> bool:
         """Megatron's --moe-layer-freq after the first dense layers: layer i is MoE when

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dtmega.kernels.errors import DtmegaError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -39,7 +41,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.materialize not in ("meta", "seeded"):
-            raise ValueError(f"ModelSpec(materialize={self.materialize!r}): use 'meta' or 'seeded'")
+            raise DtmegaError(f"ModelSpec(materialize={self.materialize!r}): use 'meta' or 'seeded'")
 
     def instantiate(self, config: Any, seed: int) -> nn.Module:
         """The unsharded model to parallelize: on the meta device, or materialized under `seed`."""
@@ -57,7 +59,7 @@ _MODELS: dict[str, ModelSpec] = {}
 def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
     """Makes `spec` buildable by name; registering a taken name needs `replace=True`."""
     if spec.name in _MODELS and not replace and _MODELS[spec.name] is not spec:
-        raise ValueError(f"a model named {spec.name!r} is registered already; pass replace=True to replace it")
+        raise DtmegaError(f"a model named {spec.name!r} is registered already; pass replace=True to replace it")
     _MODELS[spec.name] = spec
     return spec
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from dtmega.kernels.errors import DtmegaError
+
 
 class SlotLayerCache:
     """One block's keys and values, [slots, max_len, kv_heads, head_dim], allocated on first use
@@ -55,7 +57,7 @@ class SlotKVCache:
         lengths = [int(n) for n in self.lengths[self.active].tolist()]
         self.longest = max(lengths, default=0)
         if self.longest + new_tokens > self.max_len:
-            raise ValueError(f"KV cache slots hold {self.max_len} positions; {self.longest + new_tokens} were asked for")
+            raise DtmegaError(f"KV cache slots hold {self.max_len} positions; {self.longest + new_tokens} were asked for")
 
     @property
     def length(self) -> torch.Tensor:

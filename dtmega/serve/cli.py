@@ -21,12 +21,23 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
 from dtmega.serve.engine import Engine
-from dtmega.serve.kv_budget import KVCacheSize, kv_budget, kv_bytes_per_token, size_kv_cache, weight_bytes
-from dtmega.train.restore import add_model_source, read_source_head, restore_with_progress
+from dtmega.serve.kv_budget import (
+    KVCacheSize,
+    kv_budget,
+    kv_bytes_per_token,
+    size_kv_cache,
+    weight_bytes,
+)
+from dtmega.train.restore import (
+    add_model_source,
+    read_source_head,
+    restore_with_progress,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,15 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 def check_arguments(a: argparse.Namespace) -> None:
     """Every setting checked before the checkpoint is read or a rank joins."""
     if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port {a.port} is not a TCP port. Fix: a number from 1 to 65535 (0: any free port)")
+        raise DtmegaError(f"--port {a.port} is not a TCP port. Fix: a number from 1 to 65535 (0: any free port)")
     for flag, value in (("--max-batch-size", a.max_batch_size), ("--max-request-bytes", a.max_request_bytes),
                         ("--tensor-model-parallel-size", a.tensor_model_parallel_size)):
         if value < 1:
-            raise ValueError(f"{flag} {value} must be at least 1")
+            raise DtmegaError(f"{flag} {value} must be at least 1")
     if not a.request_timeout > 0:
-        raise ValueError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
+        raise DtmegaError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
     if a.max_model_len is not None and a.max_model_len < 2:
-        raise ValueError(f"--max-model-len {a.max_model_len} must be at least 2 (a prompt token and a generated one)")
+        raise DtmegaError(f"--max-model-len {a.max_model_len} must be at least 2 (a prompt token and a generated one)")
 
 
 def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
@@ -77,7 +88,7 @@ def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
     context = int(config.max_seq_len)
     max_len = a.max_model_len or context
     if max_len > context:
-        raise ValueError(f"--max-model-len {max_len} is longer than the model's context ({context} positions). "
+        raise DtmegaError(f"--max-model-len {max_len} is longer than the model's context ({context} positions). "
                          f"Fix: --max-model-len {context} or less")
     dtype = torch.get_default_dtype()  # the dtype the served weights, and so the cache, take
     tp = a.tensor_model_parallel_size
@@ -108,12 +119,12 @@ def main(argv: list[str]) -> None:
     check_arguments(a)
     head = read_source_head(a, contents=False)
     if head.spec.family != "dtmega-llama":
-        raise ValueError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
+        raise DtmegaError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{head.spec.family} model. Fix: evaluate it with dtmega evaluate")
     size = cache_size(a, head.config, default_device_type())  # before any rank joins or any weight is read
     init_distributed()
     if dist.get_world_size() != a.tensor_model_parallel_size:
-        raise ValueError(f"{dist.get_world_size()} ranks were launched for --tensor-model-parallel-size "
+        raise DtmegaError(f"{dist.get_world_size()} ranks were launched for --tensor-model-parallel-size "
                          f"{a.tensor_model_parallel_size}; the server runs one model replica. Fix: torchrun "
                          f"--nproc-per-node {a.tensor_model_parallel_size}, or --tensor-model-parallel-size "
                          f"{dist.get_world_size()}")
@@ -121,7 +132,7 @@ def main(argv: list[str]) -> None:
     sock = bind(a.host, a.port) if leader else None  # before the weights are read: a busy port fails at once
     problem = broadcast_object(sock if isinstance(sock, str) else None)
     if problem:
-        raise ValueError(problem)
+        raise DtmegaError(problem)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf)
     pm.eval()

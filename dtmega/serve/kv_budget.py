@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtmega.kernels.errors import DtmegaError
+
 GiB = 2**30
 CPU_DEFAULT_BYTES = 4 * GiB
 GPU_DEFAULT_UTILIZATION = 0.9
@@ -29,7 +31,7 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
-        raise ValueError(f"--kv-cache-memory {text!r} is not a size. Fix: bytes, or a number with a unit "
+        raise DtmegaError(f"--kv-cache-memory {text!r} is not a size. Fix: bytes, or a number with a unit "
                          "(e.g. 4GiB, 512MiB, 2GB)")
     return int(float(match.group(1)) * _UNITS[unit])
 
@@ -75,19 +77,19 @@ def kv_budget(*, kv_cache_memory: str | None, utilization: float | None, device_
     """The per-rank budget from the flags (see the module docstring); `weights`: this rank's
     weight bytes, taken out of a utilization budget."""
     if kv_cache_memory is not None and utilization is not None:
-        raise ValueError("--kv-cache-memory and --gpu-memory-utilization both size the KV cache. Fix: give one")
+        raise DtmegaError("--kv-cache-memory and --gpu-memory-utilization both size the KV cache. Fix: give one")
     if kv_cache_memory is not None:
         size = parse_bytes(kv_cache_memory)
         return KVBudget(size, f"--kv-cache-memory {kv_cache_memory}")
     if utilization is not None and not 0 < utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization {utilization} must be a fraction in (0, 1]")
+        raise DtmegaError(f"--gpu-memory-utilization {utilization} must be a fraction in (0, 1]")
     total = _device_total_bytes(device_type)
     if utilization is None and device_type != "cuda":
         cap = total // 2 if total else CPU_DEFAULT_BYTES
         return KVBudget(min(CPU_DEFAULT_BYTES, cap), "the CPU default: 4 GiB, at most half the available memory")
     fraction = utilization if utilization is not None else GPU_DEFAULT_UTILIZATION
     if total is None:
-        raise ValueError("--gpu-memory-utilization: this machine's memory could not be read. Fix: --kv-cache-memory")
+        raise DtmegaError("--gpu-memory-utilization: this machine's memory could not be read. Fix: --kv-cache-memory")
     where = "the GPU's memory" if device_type == "cuda" else "the available host memory"
     return KVBudget(max(0, int(total * fraction) - weights),
                     f"{fraction:.0%} of {where} ({total / GiB:.1f} GiB) less {weights / GiB:.2f} GiB of weights")
@@ -116,7 +118,7 @@ def size_kv_cache(*, budget: KVBudget, max_len: int, bytes_per_token: int, max_b
     per_slot = max_len * bytes_per_token
     slots = min(max_batch_size, budget.bytes // per_slot)
     if slots < 1:
-        raise ValueError(
+        raise DtmegaError(
             f"the KV cache budget ({budget.bytes / GiB:.3f} GiB per rank, {budget.source}) cannot hold one "
             f"sequence of {max_len} positions ({per_slot / GiB:.3f} GiB at {bytes_per_token:,} bytes per token). "
             f"Fix: --kv-cache-memory {math.ceil(per_slot / 2**20)}MiB or more, or a shorter --max-model-len "

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
 
 MAX_PROMPTS = 128
@@ -24,7 +25,7 @@ UNSUPPORTED = {"beam_width": None, "top_p_decay": 0.0, "top_p_bound": 0.0, "stop
                "stop_on_eol": False, "prevent_newline_after_colon": False, "length_penalty": 1}
 
 
-class RequestError(ValueError):
+class RequestError(DtmegaError):
     """A request the server answers with HTTP 400 and this message."""
 
 

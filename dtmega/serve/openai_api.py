@@ -15,7 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dtmega.serve.engine import Sampling, SequenceRequest, SequenceResult
-from dtmega.serve.megatron_api import MAX_PROMPTS, ContextError, RequestError, _is_int, _is_number, check_context
+from dtmega.serve.megatron_api import (
+    MAX_PROMPTS,
+    ContextError,
+    RequestError,
+    _is_int,
+    _is_number,
+    check_context,
+)
 
 MAX_LOGPROBS = 20
 UNSUPPORTED = {"stream": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtmega.kernels.errors import DtmegaError, MissingInput
+
 
 @dataclass(frozen=True)
 class Example:
@@ -57,7 +59,7 @@ def read_examples(path: str | Path, tokenizer, strict: bool, max_tokens: int) ->
     context is named with its line number."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--valid-data {path} does not exist. Fix: the path of a LAMBADA JSONL file "
+        raise MissingInput(f"--valid-data {path} does not exist. Fix: the path of a LAMBADA JSONL file "
                                 "(one {\"text\": ...} per line)")
     examples = []
     with path.open("rb") as lines:
@@ -67,20 +69,20 @@ def read_examples(path: str | Path, tokenizer, strict: bool, max_tokens: int) ->
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"{path}:{number} is not a JSON line ({error}). Fix: one JSON object per line, "
+                raise DtmegaError(f"{path}:{number} is not a JSON line ({error}). Fix: one JSON object per line, "
                                  "{\"text\": \"...\"}") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{number} has no non-empty \"text\" field. Fix: one {{\"text\": \"...\"}} "
+                raise DtmegaError(f"{path}:{number} has no non-empty \"text\" field. Fix: one {{\"text\": \"...\"}} "
                                  "per line")
             example = split_passage(text, tokenizer, strict)
             if not example.context or not example.targets:
-                raise ValueError(f"{path}:{number}: the passage is too short to have a context before its last "
+                raise DtmegaError(f"{path}:{number}: the passage is too short to have a context before its last "
                                  f"{'word' if strict else 'token'}")
             if len(example.context) + len(example.targets) - 1 > max_tokens:
-                raise ValueError(f"{path}:{number}: the passage has {len(example.context) + len(example.targets)} "
+                raise DtmegaError(f"{path}:{number}: the passage has {len(example.context) + len(example.targets)} "
                                  f"tokens, more than the model's context of {max_tokens}. Fix: shorter passages")
             examples.append(example)
     if not examples:
-        raise ValueError(f"{path} holds no passages. Fix: one {{\"text\": \"...\"}} per line")
+        raise DtmegaError(f"{path} holds no passages. Fix: one {{\"text\": \"...\"}} per line")
     return examples

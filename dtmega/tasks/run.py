@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtmega
+from dtmega.kernels.errors import DtmegaError
 from dtmega.progress import progress_bar
 from dtmega.tasks import lambada, wikitext
 
@@ -26,9 +27,9 @@ def evaluate_wikitext(pm: dtmega.ParallelModel, tokenizer, path: str, *, seq_len
     words = wikitext.count_words(raw)
     tokens = torch.tensor(tokenizer.encode(wikitext.detokenize(raw)), dtype=torch.long)
     if len(tokens) < 2:
-        raise ValueError(f"--valid-data {path} has {len(tokens)} token(s); perplexity needs at least 2")
+        raise DtmegaError(f"--valid-data {path} has {len(tokens)} token(s); perplexity needs at least 2")
     if int(tokens.max()) >= pm.program.facts.vocab_size:
-        raise ValueError(f"the tokenizer gives id {int(tokens.max())}, beyond the model's vocabulary")
+        raise DtmegaError(f"the tokenizer gives id {int(tokens.max())}, beyond the model's vocabulary")
     todo = wikitext.windows(len(tokens), seq_length, overlapping_eval)
     dp, rank = pm.dp_size, pm.dp_rank
     per_batch = micro_batch * dp

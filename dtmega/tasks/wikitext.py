@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from dtmega.kernels.errors import DtmegaError, MissingInput
+
 # WikiText's tokenized form -> plain text. Each rule joins what the corpus split apart.
 _REPLACEMENTS = [
     (" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."),                # number and hyphen separators
@@ -113,10 +115,10 @@ def read_text(path: str | Path) -> str:
     """The file's text; a clear error if it is missing or not UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--valid-data {path} does not exist. Fix: the path of a WikiText file, e.g. "
+        raise MissingInput(f"--valid-data {path} does not exist. Fix: the path of a WikiText file, e.g. "
                                 "wikitext-103/wiki.test.tokens")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"--valid-data {path} is not UTF-8 text (byte {error.start}). Fix: a WikiText .tokens or "
+        raise DtmegaError(f"--valid-data {path} is not UTF-8 text (byte {error.start}). Fix: a WikiText .tokens or "
                          "plain-text file") from None

@@ -14,6 +14,8 @@ import math
 from dataclasses import fields
 from typing import Any
 
+from dtmega.kernels.errors import DtmegaError
+
 # Sizes and counts that must be >= 1 when given (None means "derive it").
 AT_LEAST_ONE = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
@@ -37,7 +39,7 @@ POSITIVE = ("init_method_std", "norm_epsilon", "rotary_base", "adam_eps", "initi
             "loss_scale", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor", "distributed_timeout_minutes")
 
 
-class OptionValueError(ValueError):
+class OptionValueError(DtmegaError):
     """An option's value cannot mean anything; the message names the flag and the fix."""
 
 

@@ -16,12 +16,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama_config import NAMED_CONFIGS
 from dtmega.passes.toml_io import load_toml
-from dtmega.train.arg_checks import OptionValueError, check_ranges, check_toml_types, flag_of
+from dtmega.train.arg_checks import (
+    OptionValueError,
+    check_ranges,
+    check_toml_types,
+    flag_of,
+)
 
 
-class ArgumentError(ValueError):
+class ArgumentError(DtmegaError):
     """The arguments cannot run; the message names the flag and the fix."""
 
 
@@ -110,7 +116,8 @@ class TrainArgs:
     fp8_amax_history_len: int = _opt(1, "delayed scaling: steps of amax history")
     fp8_amax_compute_algo: str = _opt("most_recent", "delayed scaling: scale from the history's max or its newest",
                                       ("max", "most_recent"))
-    fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (delayed or tensorwise scaling; needs --use-distributed-optimizer)")
+    fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (delayed or tensorwise scaling; needs "
+                                         "--use-distributed-optimizer)")
     fp8_min_features: int = _opt(1024, "linears with fewer input or output features stay bf16 (FP8 loses there)")
     first_last_layers_bf16: bool = _opt(False, "keep the first and last blocks in bf16 under FP8")
     num_layers_at_start_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the start kept bf16")
@@ -167,7 +174,8 @@ class TrainArgs:
     # ---- data ----
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
-    tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing", ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte"))
+    tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing",
+                                      ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte"))
     tokenizer_model: str | None = _opt(None, "tokenizers JSON file (HuggingFaceTokenizer)")
     vocab_file: str | None = _opt(None, "vocab.json (GPT2BPETokenizer)")
     merge_file: str | None = _opt(None, "merges.txt (GPT2BPETokenizer)")

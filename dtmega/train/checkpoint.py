@@ -33,8 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import gather_objects
-from dtmega.train.checkpoint_manifest import MANIFEST, Verdict, verify_checkpoint, write_manifest
+from dtmega.train.checkpoint_manifest import (
+    MANIFEST,
+    Verdict,
+    verify_checkpoint,
+    write_manifest,
+)
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr"), so that ranks holding
 # different parameters (pipeline stages) never overwrite each other's groups.
@@ -46,7 +52,7 @@ TOKENIZER = "tokenizer.json"
 FORMAT = "dtmega-checkpoint-v1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DtmegaError):
     """A checkpoint cannot be used as asked; the message says why and what to do."""
 
 

@@ -145,7 +145,8 @@ def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Ve
         if not path.exists():
             problems.append(f"{path} is missing")
         elif path.stat().st_size != entry["size"]:
-            problems.append(f"{path} has {path.stat().st_size} bytes, but the manifest says {entry['size']} (truncated or replaced)")
+            problems.append(f"{path} has {path.stat().st_size} bytes, but the manifest says {entry['size']} "
+                            "(truncated or replaced)")
     problems = _union(problems, group)  # one verdict everywhere, and the same collectives after it
     if contents and not problems:
         rank, world = _rank_world(group)

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dtmega.kernels.errors import DtmegaError
 
-class TrainingDiverged(ValueError):
+
+class TrainingDiverged(DtmegaError):
     """A streak of non-finite steps reached --max-skipped-steps."""
 
 

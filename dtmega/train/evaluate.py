@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 
 import torch.distributed as dist
-from dtmega.printing import console
-from dtmega.progress import progress_bar
 
 from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
 from dtmega.data.indexed import IndexedDataset, read_stats
+from dtmega.printing import console
+from dtmega.progress import progress_bar
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.restore import add_model_source, restore_with_progress
 from dtmega.train.setup import run_shape

@@ -14,11 +14,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dtmega.data.tokenizers import Tokenizer
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.kv_cache import KVCache
 from dtmega.printing import console
 from dtmega.progress import progress_bar
+from dtmega.train.restore import (
+    CheckpointHead,
+    add_model_source,
+    read_source_head,
+    restore_with_progress,
+)
 from dtmega.train.sampling import choose_next, sample_next  # noqa: F401  (sample_next: public here too)
-from dtmega.train.restore import CheckpointHead, add_model_source, read_source_head, restore_with_progress
 
 
 @dataclass
@@ -39,7 +45,7 @@ def generate_tokens(model: torch.nn.Module, prompt_ids: list[int], *, vocab_size
     Identical on every rank of a TP group (same seed, same gathered logits). `on_token()` after
     each chosen token (a progress bar's `advance`)."""
     if not prompt_ids:
-        raise ValueError("the prompt is empty after tokenization; give some text")
+        raise DtmegaError("the prompt is empty after tokenization; give some text")
     device = next(model.buffers()).device
     cache = KVCache(len(prompt_ids) + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -78,12 +84,12 @@ def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int) -> Non
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"--prompt holds bytes that are not UTF-8 text (from character {error.start}: "
+        raise DtmegaError(f"--prompt holds bytes that are not UTF-8 text (from character {error.start}: "
                          f"{prompt[error.start:error.end]!r}). Fix: pass the prompt as UTF-8") from None
     context = getattr(head.config, "max_seq_len", None)
     used = len(head.tokenizer.encode(prompt))
     if context is not None and used + max_new_tokens > context:
-        raise ValueError(
+        raise DtmegaError(
             f"the prompt ({used} tokens) + --max-new-tokens {max_new_tokens} = {used + max_new_tokens} tokens exceeds "
             f"the model's context of {context} tokens (its max position embeddings). Fix: --max-new-tokens "
             f"{max(context - used, 0)} or less" + (", and a shorter prompt" if used >= context else "")
@@ -110,12 +116,12 @@ def main(argv: list[str]) -> str:
     """Prints and returns the continuation."""
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
-        raise ValueError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
+        raise DtmegaError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
     check_request(read_source_head(a, contents=False), a.prompt, a.max_new_tokens)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf)
     if pm.program.facts.family != "dtmega-llama":
-        raise ValueError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
+        raise DtmegaError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
                          f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
     pm.eval()
     with progress_bar("generate", total=a.max_new_tokens, unit="tokens") as bar:

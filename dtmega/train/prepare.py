@@ -25,7 +25,14 @@ from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
 from dtmega.train.setup import (
-    RunShape, build_plan, model_config, padded_vocab, plan_notes, reject_unsupported, run_shape, tokenizer_spec,
+    RunShape,
+    build_plan,
+    model_config,
+    padded_vocab,
+    plan_notes,
+    reject_unsupported,
+    run_shape,
+    tokenizer_spec,
 )
 
 

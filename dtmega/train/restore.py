@@ -13,11 +13,17 @@ import torch.distributed as dist
 
 import dtmega
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_json
+from dtmega.kernels.errors import DtmegaError, MissingInput
 from dtmega.mesh import default_device_type
 from dtmega.models import model_spec
 from dtmega.models.registry import ModelSpec
 from dtmega.passes import DataParallel, Plan, TensorParallel
-from dtmega.train.checkpoint import TOKENIZER, load_checkpoint, read_state, select_checkpoint
+from dtmega.train.checkpoint import (
+    TOKENIZER,
+    load_checkpoint,
+    read_state,
+    select_checkpoint,
+)
 from dtmega.train.checkpoint_manifest import LOCAL
 
 
@@ -48,14 +54,14 @@ def read_head(load: str | Path, custom_import: tuple = (), contents: bool = True
     try:
         spec = model_spec(name)
     except KeyError as error:
-        raise ValueError(f"{checkpoint} holds a {name!r} model: {error.args[0]}") from None
+        raise DtmegaError(f"{checkpoint} holds a {name!r} model: {error.args[0]}") from None
     config = spec.config_from_dict(state["model_config"])
     tokenizer_file = checkpoint / TOKENIZER
     if not tokenizer_file.exists():
-        raise FileNotFoundError(f"{checkpoint} has no {TOKENIZER}; it was not written by `dtmega train`")
+        raise MissingInput(f"{checkpoint} has no {TOKENIZER}; it was not written by `dtmega train`")
     tokenizer = tokenizer_from_json(tokenizer_file.read_text(), state.get("tokenizer", {}).get("eod_token"))
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
+        raise DtmegaError(
             f"the checkpoint's tokenizer has {tokenizer.vocab_size} tokens but its model only {config.vocab_size}"
         )
     return CheckpointHead(checkpoint, state, spec, config, tokenizer)

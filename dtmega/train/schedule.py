@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dtmega.kernels.errors import DtmegaError
+
 
 @dataclass
 class LRSchedule:
@@ -21,11 +23,11 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.style not in ("constant", "linear", "cosine", "WSD"):
-            raise ValueError(f"--lr-decay-style {self.style!r} is unknown")
+            raise DtmegaError(f"--lr-decay-style {self.style!r} is unknown")
         if self.min_lr > self.max_lr:
-            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.max_lr}")
+            raise DtmegaError(f"--min-lr {self.min_lr} is above --lr {self.max_lr}")
         if self.style != "constant" and self.decay_steps <= self.warmup_steps:
-            raise ValueError(
+            raise DtmegaError(
                 f"--lr-decay-iters {self.decay_steps} must exceed --lr-warmup-iters {self.warmup_steps}"
             )
 

@@ -6,18 +6,25 @@ runs identically on every rank and every bad combination fails before any collec
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
-
 from dtmega.data.tokenizers import TokenizerSpec
-import re
-
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
 from dtmega.models.llama_specs import llama_config_from_dict, llama_config_to_dict
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
-    Compile, ContextParallel, DataParallel, ExpertParallel, Float8, FuseKernels, Pass, PipelineSplit, Plan, Recompute,
+    Compile,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Float8,
+    FuseKernels,
+    Pass,
+    PipelineSplit,
+    Plan,
+    Recompute,
     SequenceParallel,
     TensorParallel,
 )
@@ -84,7 +91,8 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
     if global_batch % (micro * dp):
         raise ArgumentError(
             f"--global-batch-size {global_batch} is not divisible by --micro-batch-size {micro} x data-parallel "
-            f"size {dp} (= {micro * dp}). Fix: use a multiple of {micro * dp}, e.g. {max(1, global_batch // (micro * dp)) * micro * dp}"
+            f"size {dp} (= {micro * dp}). Fix: use a multiple of {micro * dp}, e.g. "
+            f"{max(1, global_batch // (micro * dp)) * micro * dp}"
         )
     if counted is not None and counted != global_batch // (micro * dp):
         raise ArgumentError(
@@ -246,7 +254,8 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     if shape.pp > 1:
         passes.append(pipeline_pass(args, shape, n_layers))
     elif any(getattr(args, f) for f in PIPELINE_ONLY):
-        raise ArgumentError(f"pipeline options ({', '.join(_flags(PIPELINE_ONLY, args))}) need --pipeline-model-parallel-size > 1")
+        raise ArgumentError(f"pipeline options ({', '.join(_flags(PIPELINE_ONLY, args))}) need "
+                            "--pipeline-model-parallel-size > 1")
     # None: FuseKernels decides (fused, except inside blocks compiled on a GPU, where inductor's
     # fusion measured faster); False: off.
     fusions = dict(rms_norm=False if args.no_rms_norm_fusion else None,

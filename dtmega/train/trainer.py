@@ -11,8 +11,8 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,19 +21,36 @@ import dtmega
 from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
 from dtmega.data.sample_order import CyclicOrder
+from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
-from dtmega.train.checkpoint import load_checkpoint, load_runtime_state, save_checkpoint, select_checkpoint
+from dtmega.train.checkpoint import (
+    load_checkpoint,
+    load_runtime_state,
+    save_checkpoint,
+    select_checkpoint,
+)
 from dtmega.train.divergence import StepHealth
-from dtmega.train.metrics import MetricsLogger, flops_per_token, make_console, memory_gib, peak_flops
+from dtmega.train.metrics import (
+    MetricsLogger,
+    flops_per_token,
+    make_console,
+    memory_gib,
+    peak_flops,
+)
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
-from dtmega.train.schedule import LRSchedule
-from dtmega.train.straggler import StragglerLog
-from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
-from dtmega.train.watch import Progress, check_same_arguments, launch_settings, looks_like_timeout
 from dtmega.train.prepare import dry_run, prepare_run
+from dtmega.train.schedule import LRSchedule
+from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
+from dtmega.train.straggler import StragglerLog
+from dtmega.train.watch import (
+    Progress,
+    check_same_arguments,
+    launch_settings,
+    looks_like_timeout,
+)
 
 
 @dataclass
@@ -137,7 +154,6 @@ class Trainer:
             self.console.print(f"resumed from {checkpoint} at step {self.iteration} ({consumed} samples consumed)")
         elif args.load_hf:
             from dtmega.interop.hf_checkpoint import HFCheckpoint
-
             from dtmega.interop.hf_import import files_kept_by_a_run
 
             source = HFCheckpoint.open(args.load_hf, tokenizer=self.tokenizer)
@@ -240,7 +256,7 @@ class Trainer:
                 problem = f"--save-hf {self.args.save_hf}: {error} (the checkpoint {checkpoint} is saved)"
         problem = broadcast_object(problem)
         if problem:
-            raise ValueError(problem)
+            raise DtmegaError(problem)
         self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
 
     def validate(self, result: TrainResult) -> None:

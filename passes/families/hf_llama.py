@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtmega.passes.families import ModelFacts, ModelFamily, is_class, register_family
+from dtmega.passes.families.base import (
+    ModelFacts,
+    ModelFamily,
+    is_class,
+    register_family,
+)
 from dtmega.passes.rules import Rule
 
 

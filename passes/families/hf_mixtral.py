@@ -11,7 +11,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtmega.kernels.grouped_gemm import grouped_mm
-from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, is_class, register_family
+from dtmega.passes.families.base import (
+    ModelFacts,
+    ModelFamily,
+    MoEFacts,
+    is_class,
+    register_family,
+)
 from dtmega.passes.families.hf_llama import _logits, describe_hf_decoder
 
 IMPLEMENTATION = "dtmega_expert_parallel"

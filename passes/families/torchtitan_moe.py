@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, is_class, register_family
+from dtmega.passes.families.base import (
+    ModelFacts,
+    ModelFamily,
+    MoEFacts,
+    is_class,
+    register_family,
+)
 from dtmega.passes.families.torchtitan_llama import _logits
 
 

@@ -1,5 +1,6 @@
 """Context parallelism in whole models against the unsharded model: CP2, CP4, CP2 x TP2,
-CP2 x DP2, CP2 x PP2, CP2 x HSDP and CP2 with selective recompute for every method; torchtitan and Hugging Face Llamas; loss, every
+CP2 x DP2, CP2 x PP2, CP2 x HSDP and CP2 with selective recompute for every method; torchtitan and Hugging Face
+Llamas; loss, every
 gradient, 5 AdamW steps (tolerances in tests/helpers.py: 1e-5 relative, fp32)."""
 
 from __future__ import annotations
@@ -8,10 +9,21 @@ import pytest
 
 import dtmega
 from dtmega.passes import (
-    Compile, ContextParallel, DataParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel,
+    Compile,
+    ContextParallel,
+    DataParallel,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
+    TensorParallel,
 )
 from tests.helpers import (
-    assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, mesh,
+    assert_close_to_reference,
+    build_dtmega_llama,
+    clone_module,
+    compare_training,
+    debug_llama,
+    mesh,
 )
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
 

@@ -11,8 +11,8 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 from tensordict import TensorDict
+from torch.distributed.tensor.debug import CommDebugMode
 
 import dtmega
 from dtmega.cost.comm_count import CollectiveBytes
@@ -20,7 +20,14 @@ from dtmega.cost.memory_count import step_peak_bytes
 from dtmega.models import Llama, LlamaConfig
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel, TensorParallel, Workload,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
+    TensorParallel,
+    Workload,
 )
 from dtmega.train.optim import adamw
 

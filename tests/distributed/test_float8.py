@@ -44,7 +44,14 @@ from dtmega.kernels.float8 import Float8Recipe
 from dtmega.kernels.float8_gather import Float8GatheredWeight
 from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
 from dtmega.passes import (
-    Compile, ContextParallel, DataParallel, ExpertParallel, Float8, PipelineSplit, Recompute, SequenceParallel,
+    Compile,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Float8,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
     TensorParallel,
 )
 from dtmega.passes.program import submesh
@@ -102,7 +109,8 @@ def test_fp8_linear_sharded_equals_one_rank(recipe, style):
         out.full_tensor().backward(grad[rows])
         grad_w = full(w.grad)
         dist.all_reduce(grad_w, group=data.get_group())  # the data ranks' halves of the weight gradient
-        worst = max(worst, relative_error(out.full_tensor(), ref_out[rows]), relative_error(local_x.grad, ref_x.grad[rows][..., features]),
+        worst = max(worst, relative_error(out.full_tensor(), ref_out[rows]),
+                    relative_error(local_x.grad, ref_x.grad[rows][..., features]),
                     relative_error(grad_w, ref_w.grad))
         reduce_and_update_scales([states[0]], fp8, None)
         reduce_and_update_scales([states[1]], fp8, group)
@@ -213,7 +221,8 @@ def test_fp8_plans_within_fp8_noise_of_one_rank(name, recipe):
 
 
 def test_torchao_fp8_all_gather_changes_communication_not_numerics():
-    """torchao's backend (tensorwise: its FP8 all-gather takes no other recipe) under FSDP2, with and without FP8 all-gather (--fp8-param-gather), 3
+    """torchao's backend (tensorwise: its FP8 all-gather takes no other recipe) under FSDP2, with and without FP8
+    all-gather (--fp8-param-gather), 3
     AdamW steps. The FP8 all-gather casts each weight shard with the whole weight's scale (its
     amax all-reduced after each optimizer step) and gathers FP8 bytes; without it the full
     weight is gathered and cast with the same scale. Same FP8 values either way: 1e-5 relative

@@ -9,11 +9,24 @@ import torch
 
 import dtmega
 from dtmega.passes import (
-    Compile, ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Recompute,
-    SequenceParallel, TensorParallel,
+    Compile,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    FuseKernels,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
+    TensorParallel,
 )
 from tests.helpers import (
-    assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, debug_llama, full, mesh,
+    assert_close_to_reference,
+    build_dtmega_llama,
+    clone_module,
+    compare_training,
+    debug_llama,
+    full,
+    mesh,
     relative_error,
 )
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama

@@ -1,5 +1,6 @@
 """Mixture of experts against the unsharded MoE model: EP2, EP4, EP2 x TP2 (+SP), EP2 x FSDP2
-EP2 x PP2 and EP2 x CP2 with both dispatchers; HF Mixtral and torchtitan's qwen3 MoE; capacity dropping (the same tokens dropped); expert-bias
+EP2 x PP2 and EP2 x CP2 with both dispatchers; HF Mixtral and torchtitan's qwen3 MoE; capacity dropping (the same
+tokens dropped); expert-bias
 balancing. Loss incl. the balancing losses, every gradient, 5 AdamW steps (1e-5, fp32; torchtitan's
 bf16 experts also as built, within one bf16 ulp)."""
 
@@ -12,11 +13,17 @@ import pytest
 import dtmega
 from dtmega.models import LlamaConfig
 from dtmega.models.moe import moe_layers
-from dtmega.passes.expert_parallel import ExpertDispatch
 from dtmega.passes import (
-    Compile, ContextParallel, DataParallel, ExpertParallel, PipelineSplit, Recompute, SequenceParallel,
+    Compile,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
     TensorParallel,
 )
+from dtmega.passes.expert_parallel import ExpertDispatch
 from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, mesh
 from tests.interop_models import hf_tiny_mixtral, torchtitan_tiny_moe, with_fp32_experts
 

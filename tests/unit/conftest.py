@@ -51,7 +51,8 @@ def interpret(monkeypatch, request) -> bool:
     asserts its outcome there and the caller returns at once."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if not triton_available():
-        pytest.skip(reason="triton is not installed (CPU-only installs without the dev extra): the Triton kernels cannot be interpreted")
+        pytest.skip(reason="triton is not installed (CPU-only installs without the dev extra): the Triton kernels "
+                           "cannot be interpreted")
     if interpreter_ready():
         return True
     assert not os.environ.get("DTMEGA_INTERPRETER_CHILD"), "triton was imported before TRITON_INTERPRET=1"

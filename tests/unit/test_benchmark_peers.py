@@ -58,6 +58,7 @@ def test_torchao_float8_gets_the_recipes_config_and_torchaos_own_filter(recipe, 
     `from_recipe_name(recipe)` and the modules converted are exactly those torchao's
     `_auto_filter_for_recipe` keeps (the output layer named out), not a filter of ours."""
     import torchao.float8 as ao
+
     from dtmega.models import Llama
 
     calls = []
@@ -151,7 +152,8 @@ def _final(system: str, speeds: list[float]) -> list[dict]:
 
 
 def test_a_ratio_is_claimed_only_beyond_the_spread():
-    ahead = gpu_step.summarize(_final("dtmega+kernels", [105, 106, 107, 106, 105]) + _final("plain+liger", [100, 101, 102, 100, 101]))
+    ahead = gpu_step.summarize(_final("dtmega+kernels", [105, 106, 107, 106, 105])
+                               + _final("plain+liger", [100, 101, 102, 100, 101]))
     assert ahead["comparisons"]["bf16"]["verdict"] == "ahead, beyond the spread"
     assert ahead["systems"]["plain+liger"]["median_tokens_per_s"] == 101
     close = gpu_step.summarize(_final("dtmega", [100, 103, 101, 102, 100]) + _final("plain", [99, 101, 100, 102, 100]))

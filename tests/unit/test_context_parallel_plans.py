@@ -24,7 +24,8 @@ def test_layout_marks_every_attention_core():
 
 def test_a2a_needs_heads_divisible_by_cp():
     with pytest.raises(PlanError, match=r"4 heads per rank are not divisible by cp=8"):
-        dtmega.check_plan(llama(), mesh_shape(cp=8, tp=2), Plan([TensorParallel(), ContextParallel(method="a2a"), DataParallel()]))
+        dtmega.check_plan(llama(), mesh_shape(cp=8, tp=2),
+                          Plan([TensorParallel(), ContextParallel(method="a2a"), DataParallel()]))
     dtmega.check_plan(llama(), mesh_shape(cp=8, tp=2), Plan([TensorParallel(), ContextParallel(method="ring"), DataParallel()]))
 
 
@@ -43,7 +44,8 @@ def test_unknown_options_and_unsupported_combinations():
 
 
 def test_fsdp_and_hsdp_shard_over_cp_too():
-    lay = dtmega.check_plan(llama(), mesh_shape(cp=2, dp_replicate=2, dp_shard=2), Plan([ContextParallel(), DataParallel("hsdp")]))
+    lay = dtmega.check_plan(llama(), mesh_shape(cp=2, dp_replicate=2, dp_shard=2),
+                            Plan([ContextParallel(), DataParallel("hsdp")]))
     placements = lay["layers.0.attention.wq"].params["weight"].placements
     assert placements["cp"] == placements["dp_shard"] != placements["dp_replicate"]
 

@@ -16,13 +16,21 @@ import dtmega
 from dtmega.cost.analysis import plan_shape_of
 from dtmega.cost.hardware import BUILT_IN, Hardware, HardwareError, load_hardware
 from dtmega.cost.memory import activation_bytes_per_token, memory, params_per_rank
-from dtmega.cost.plan_cli import PlanArgumentError, main as plan_main
+from dtmega.cost.plan_cli import PlanArgumentError
+from dtmega.cost.plan_cli import main as plan_main
 from dtmega.cost.plan_flags import train_options
 from dtmega.cost.search import Workload, search
 from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, FuseKernels, PipelineSplit, Plan, Recompute, SequenceParallel,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    FuseKernels,
+    PipelineSplit,
+    Plan,
+    Recompute,
+    SequenceParallel,
     TensorParallel,
 )
 from dtmega.passes import Workload as StepWorkload
@@ -135,7 +143,7 @@ def test_chosen_plan_runs_as_the_passes_annotate_it():
     args, _ = parse_train_args(["--model", "llama3-70b", *argv])
     shape = run_shape(args, 64)
     plan = build_plan(args, shape, config.n_layers)
-    from dtmega.passes import Program, PassManager
+    from dtmega.passes import PassManager, Program
 
     program = Program.build(_meta(config), shape.mesh_sizes(), StepWorkload(4096, shape.micro_batch,
                                                                               shape.accumulation if shape.pp > 1 else None))

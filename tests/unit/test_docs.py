@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.corpus import make_texts, write_jsonl
-from tests.task_models import LAMBADA_PASSAGES, wikitext_sample
 from tests.doc_blocks import ROOT, code_blocks, commands, excerpt_missing, one_process_dtmega_argv, scale_command
+from tests.task_models import LAMBADA_PASSAGES, wikitext_sample
 
 BLOCKS = code_blocks()
 RUN = [b for b in BLOCKS if b.action in ("run", "excerpt")]

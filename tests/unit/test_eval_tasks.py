@@ -86,7 +86,8 @@ def test_lambada_accuracy_equals_a_hand_count(one_rank_mesh, tmp_path):
     pm = dtmega.parallelize(next_letter_model(), dtmega.make_mesh(device_type="cpu"), Plan([]))
     loose = evaluate_lambada(pm, BYTES, str(path), strict=False, context=64, micro_batch=4)
     strict = evaluate_lambada(pm, BYTES, str(path), strict=True, context=64, micro_batch=4)
-    assert (loose.correct, loose.total) == (LAMBADA_ANSWERS[False], 6) and (strict.correct, strict.total) == (LAMBADA_ANSWERS[True], 6)
+    assert (loose.correct, loose.total) == (LAMBADA_ANSWERS[False], 6)
+    assert (strict.correct, strict.total) == (LAMBADA_ANSWERS[True], 6)
     assert strict.accuracy == pytest.approx(2 / 6)
 
 
@@ -109,7 +110,8 @@ def test_lambada_file_problems_are_named_with_the_line(tmp_path, content, messag
     (["--task", "lambada", "--valid-data", "x", "--data-path", "d"], "evaluates --valid-data, not --data-path"),
     (["--valid-data", "x"], "give --data-path"),
     (["--data-path", "d", "--strict-lambada"], "belong to --task"),
-    (["--task", "wikitext", "--valid-data", "/nonexistent/wiki.test.tokens"], "--valid-data /nonexistent/wiki.test.tokens is not a file"),
+    (["--task", "wikitext", "--valid-data", "/nonexistent/wiki.test.tokens"],
+     "--valid-data /nonexistent/wiki.test.tokens is not a file"),
     (["--task", "wikitext", "--valid-data", __file__, "--strict-lambada"], "--strict-lambada applies to --task lambada"),
     (["--task", "wikitext", "--valid-data", __file__, "--overlapping-eval", "0"], "--overlapping-eval 0 must be at least 1"),
     (["--task", "wikitext", "--valid-data", "x", "--split", "1,0,0", "--eval-iters", "3"],

@@ -10,7 +10,11 @@ import torch
 
 from dtmega.kernels.float8 import E4M3, Float8Recipe, quantize, scale_from_amax
 from dtmega.kernels.float8_gather import (
-    Float8GatheredWeight, Float8GatherScale, Float8ShardedWeight, gather_weight_in_fp8, plain,
+    Float8GatheredWeight,
+    Float8GatherScale,
+    Float8ShardedWeight,
+    gather_weight_in_fp8,
+    plain,
 )
 
 

@@ -17,7 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from dtmega.kernels.fused_linear_cross_entropy import (
-    CHUNK_LOGITS_BYTES, default_chunk_size, fused_linear_cross_entropy, fused_linear_cross_entropy_sum,
+    CHUNK_LOGITS_BYTES,
+    default_chunk_size,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_sum,
 )
 from dtmega.kernels.triton_support import LAUNCHES, triton_available
 from tests.helpers import relative_error

@@ -4,7 +4,6 @@ custom ops under torch.compile and DTensor."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -11,7 +11,15 @@ from rich.console import Console
 import dtmega
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import (
-    DataParallel, Layout, ParamLayout, Plan, PlanError, Recompute, Rule, SequenceParallel, TensorParallel,
+    DataParallel,
+    Layout,
+    ParamLayout,
+    Plan,
+    PlanError,
+    Recompute,
+    Rule,
+    SequenceParallel,
+    TensorParallel,
 )
 from dtmega.passes.rules import glob_match
 

@@ -27,7 +27,8 @@ def megatron_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("megatron")
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "megatron_core_gpt.py"),
-                           str(out)], check=False, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           str(out)], check=False, capture_output=True, text=True, cwd=ROOT, env={**os.environ,
+                               "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 

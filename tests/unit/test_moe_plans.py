@@ -10,7 +10,13 @@ import torch
 import dtmega
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import (
-    ContextParallel, DataParallel, ExpertParallel, Plan, PlanError, SequenceParallel, TensorParallel,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Plan,
+    PlanError,
+    SequenceParallel,
+    TensorParallel,
 )
 from tests.helpers import mesh_shape
 

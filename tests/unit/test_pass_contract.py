@@ -14,7 +14,15 @@ from torch import nn
 import dtmega
 from dtmega.kernels import KernelSpec, register_kernel
 from dtmega.passes import (
-    DataParallel, Pass, Plan, PlanError, Program, RuntimeHook, TensorParallel, ContextParallel, Workload,
+    ContextParallel,
+    DataParallel,
+    Pass,
+    Plan,
+    PlanError,
+    Program,
+    RuntimeHook,
+    TensorParallel,
+    Workload,
 )
 from dtmega.passes.results import DataParallelism, TensorParallelism
 from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama

@@ -59,7 +59,8 @@ def test_slot_cache_rows_of_different_lengths_match_full_forwards():
 
 
 def run_engine(model: Llama, slots: int = 8) -> tuple[Engine, threading.Thread]:
-    engine = Engine(model, vocab_size=VOCAB, slots=slots, max_len=64, decode_text=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    engine = Engine(model, vocab_size=VOCAB, slots=slots, max_len=64,
+        decode_text=lambda ids: "".join(chr(65 + i % 26) for i in ids))
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
     return engine, thread

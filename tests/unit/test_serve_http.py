@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
+from dtmega.serve.process import ServerProcess, wait_until
 from dtmega.train import generate as generate_cli
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
 from tests.helpers import NEAR_TIE
-from dtmega.serve.process import ServerProcess, wait_until
 
 PROMPT = "In the beginning"
 LIMIT = 4096  # the test server's --max-request-bytes

@@ -83,7 +83,8 @@ def test_plan_mapping_errors_and_recompute_methods():
     args, _ = parse_train_args(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"])
     recompute = build_plan(args, run_shape(args, 1), 4).passes[0]
     assert recompute.policy == "full" and recompute.first == 2
-    args, _ = parse_train_args(["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"])
+    args, _ = parse_train_args(["--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "2"])
     with pytest.raises(ArgumentError, match="not supported yet"):
         build_plan(args, run_shape(args, 1), 4)
 

@@ -1,0 +1,106 @@
+"""What a model family is: the facts, rule sets and hooks the passes use (registered by
+families/*.py, dtmega's models and users; looked up through `dtmega.passes.families`)."""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dtmega.passes.rules import Rule
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """Where a model's mixture-of-experts layers are and what they hold."""
+
+    layers: tuple[str, ...]  # FQNs of the MoE feed-forward modules
+    num_experts: int
+    top_k: int
+    router: str  # FQN of the router, relative to an MoE module
+    experts: str  # FQN of the module holding the expert weights, relative to an MoE module
+    expert_params: tuple[str, ...]  # its [num_experts, ...] parameters
+    shared_experts: str | None = None
+    capacity_factor: float | None = None  # tokens dropped per sequence above capacity (None: dropless)
+
+    def experts_at(self, layer: str) -> str:
+        """FQN of the experts module of MoE layer `layer`."""
+        return f"{layer}.{self.experts}"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Shape facts every pass may check constraints against."""
+
+    family: str
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    dim: int
+    ffn_dim: int
+    blocks: tuple[str, ...]
+    embedding: str
+    output: str
+    final_norm: str
+    tied_embeddings: bool = False
+    moe: MoEFacts | None = None
+    max_positions: int | None = None  # the longest sequence the position table covers (None: unknown)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of transformer blocks."""
+        return len(self.blocks)
+
+
+def default_logits(module: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Calls `module(tokens)` and unwraps `.logits` if the model returns an output object."""
+    out = module(tokens)
+    return getattr(out, "logits", out)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A kind of model the passes know how to shard without edits."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    describe: Callable[[nn.Module], ModelFacts]
+    tp_rules: tuple[Rule, ...]
+    sp_rules: tuple[Rule, ...]
+    logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] = default_logits
+    attention_core: str | None = None  # FQN of the attention-core module, relative to a block
+    position_kwarg: str = "position_ids"  # how a pipeline stage's forward takes position ids
+    # Installs a token dispatcher (dtmega.kernels.moe_dispatch) into one MoE module: how expert
+    # parallelism reaches the family's MoE code without editing it. None: no MoE support.
+    install_dispatcher: Callable[[nn.Module, object], None] | None = None
+    # Whether the family's MoE layers run under tensor parallelism (experts sharded on their
+    # hidden dim, Megatron's expert tensor parallelism = TP).
+    moe_tensor_parallel: bool = False
+    # Run-time hooks the family's own layers need in every step (e.g. dtmega's MoE balancing
+    # losses and expert bias), given the applied program; see passes/runtime.py.
+    runtime_hooks: Callable[[object], list] | None = None
+
+
+_FAMILIES: list[ModelFamily] = []
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Makes `family` known to every pass; a later registration of the same name replaces it."""
+    _FAMILIES[:] = [f for f in _FAMILIES if f.name != family.name]
+    _FAMILIES.append(family)
+    return family
+
+
+def is_class(model: nn.Module, module_prefix: str, class_name: str) -> bool:
+    """Class test by name, so a family never imports the library it describes."""
+    return any(
+        cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(model).__mro__
+    )
+
+
+def registered() -> list[ModelFamily]:
+    """The families registered so far, oldest first."""
+    return list(_FAMILIES)

@@ -224,7 +224,6 @@ class ParallelModel(ModelWeights):
         for hook in self.hooks:
             hook.after_optimizer_step()
 
-    update_expert_bias = after_optimizer_step  # the name MoE users know
 
     def stats(self) -> dict:
         """Every hook's statistics since the last call (collective: call on every rank)."""

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             optimizer.zero_grad()
             loss = pm.forward_backward(pm.shard_batch(batch))
             optimizer.step()
-            pm.update_expert_bias()  # MoE auxiliary-loss-free balancing; a no-op otherwise
+            pm.after_optimizer_step()  # the plan's post-step work: MoE expert bias, FP8 scales; else nothing
             schedule.step()
             losses.append(loss.item())
             progress.update(task, advance=1, loss=f"{losses[-1]:.3f}")

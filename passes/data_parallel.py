@@ -13,6 +13,7 @@ from torch.distributed.tensor import Shard
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import REPLICATE, shard, shard_dim
+from dtmega.passes.precision import LONG, SHORT, Precision
 from dtmega.passes.program import Program
 from dtmega.passes.results import DataParallelism, ExpertPlacement, PipelineStages
 from dtmega.passes.runtime import RuntimeHook
@@ -20,7 +21,6 @@ from dtmega.passes.runtime import RuntimeHook
 MODES = ("fsdp", "hsdp", "ddp")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "bfloat16")
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -100,9 +100,8 @@ class DataParallel(Pass):
             dim = self._expert_shard_dim(program, param, axes) if module in experts else 0
             for axis in axes:
                 param.placements[axis] = shard(dim)
-        precision = f"param={_SHORT[self.param_dtype]} reduce={_SHORT[self.reduce_dtype]}"
-        if self.offload:
-            precision += " offload=cpu"
+        precision = Precision(param=SHORT[self.param_dtype], reduce=SHORT[self.reduce_dtype],
+                              offload="cpu" if self.offload else None)
         for fqn in [*experts, *blocks, ""]:
             entry = program.layout[fqn]
             entry.wrap = self.mode
@@ -119,8 +118,8 @@ class DataParallel(Pass):
         (on one rank FSDP2 would still copy every weight in and every gradient out each step).
         Mixed precision becomes autocast around each forward, as in a plain script: fp32
         weights, gradients and optimizer state; matmuls in `param_dtype`."""
-        program.layout[""].precision = (f"autocast={_SHORT[self.param_dtype]}" if self.param_dtype != "float32"
-                                        else "param=fp32")
+        program.layout[""].precision = (Precision(autocast=SHORT[self.param_dtype]) if self.param_dtype != "float32"
+                                        else Precision(param="fp32"))
         program.record(DataParallelism(self.mode, 1, self.shard_axis, self.replicate_axis))
         program.note(f"DataParallel({self.mode}) over 1 rank: no wrapping"
                      + (f", autocast to {self.param_dtype}" if self.param_dtype != "float32" else ""))
@@ -169,8 +168,8 @@ class DataParallel(Pass):
 
     def apply(self, program: Program) -> None:
         if program.data_size() == 1 and not self.offload:
-            precision = program.layout[""].precision or ""
-            if precision.startswith("autocast="):
+            precision = program.layout[""].precision
+            if precision is not None and precision.autocast:
                 dtype = _dtype(self.param_dtype)
                 for part in program.parts:
                     part.forward = torch.autocast(program.mesh.device_type, dtype=dtype)(part.forward)
@@ -212,11 +211,10 @@ class DataParallel(Pass):
         program.add_hook(GradientSync(program.parts))
 
 
-def precision_policy(precision: str | None) -> MixedPrecisionPolicy:
-    """FSDP's mixed-precision policy from a layout entry's precision ("param=bf16 reduce=fp32")."""
-    fields = dict(item.split("=", 1) for item in (precision or "").split() if "=" in item)
-    names = {short: name for name, short in _SHORT.items()}
-    param, reduce = names[fields.get("param", "fp32")], names[fields.get("reduce", "fp32")]
+def precision_policy(precision: Precision | None) -> MixedPrecisionPolicy:
+    """FSDP's mixed-precision policy from a layout entry's precision (param and reduce dtypes)."""
+    param = LONG[precision.param] if precision and precision.param else "float32"
+    reduce = LONG[precision.reduce] if precision and precision.reduce else "float32"
     if param == reduce == "float32":
         # No mixed precision: gradients reduce in the parameters' own dtype (fp32, or float64 for
         # a float64 model, which an fp32 reduction would silently round).

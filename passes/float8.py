@@ -30,6 +30,7 @@ from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.float8_groups import amax_group
+from dtmega.passes.precision import Precision
 from dtmega.passes.program import Program
 from dtmega.passes.results import DataParallelism, PassResult
 from dtmega.passes.runtime import RuntimeHook
@@ -149,9 +150,9 @@ class Float8(Pass):
                 reason = (f"too small for FP8 to win ({module.in_features}x{module.out_features} < "
                           f"{self.min_features}; min_features)")
             if reason:
-                entry.precision = f"bf16: {reason}"
+                entry.precision = Precision(reason=reason)
                 continue
-            entry.precision = f"fp8 {self.recipe} {self.format}"
+            entry.precision = Precision(fp8_recipe=self.recipe, fp8_format=self.format)
             entry.kernel = f"linear.float8.{self.backend}"
             chosen.append(fqn)
         program.record(Float8Choice(self.recipe, self.format, self.backend, tuple(chosen)))

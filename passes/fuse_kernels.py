@@ -149,9 +149,9 @@ def autocast_of(program: Program):
     """The autocast the plan runs forwards under (one-rank data parallelism in bf16/fp16), as
     a context manager factory: the fused loss is part of the forward and runs under it too."""
     precision = program.layout[""].precision if "" in program.layout else None
-    if not precision or not precision.startswith("autocast=") or program.mesh is None:
+    if precision is None or not precision.autocast or program.mesh is None:
         return contextlib.nullcontext
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision.split("=", 1)[1]]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision.autocast]
     return lambda: torch.autocast(program.mesh.device_type, dtype=dtype)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import REPLICATE, shard_dim
+from dtmega.passes.precision import Precision
 from dtmega.passes.toml_io import dump_toml, load_toml
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -75,7 +76,7 @@ class ModuleLayout:
     recompute: str | None = None
     kernel: str | None = None
     compiled: str | None = None
-    precision: str | None = None
+    precision: Precision | None = None  # passes/precision.py; TOML holds its short text
     wrap: str | None = None
 
     def local_bytes(self, mesh: dict[str, int], coordinate: dict[str, int] | None = None) -> int:
@@ -197,6 +198,8 @@ class Layout:
         modules = {}
         for fqn, entry in self.modules.items():
             data = {k: v for k, v in asdict(entry).items() if v not in (None, {}, [])}
+            if entry.precision is not None:
+                data["precision"] = str(entry.precision)
             for param in data.get("params", {}).values():
                 param["shape"] = list(param["shape"])
                 for key in [k for k, v in param.items() if v in (None, {})]:
@@ -229,7 +232,8 @@ class Layout:
                 )
                 for name, p in entry.get("params", {}).items()
             }
-            modules[fqn] = ModuleLayout(**{**entry, "params": params})
+            precision = Precision.parse(entry["precision"]) if entry.get("precision") else None
+            modules[fqn] = ModuleLayout(**{**entry, "params": params, "precision": precision})
         pipeline = data.get("pipeline", {})
         return cls(mesh=dict(data["mesh"]), modules=modules, stage_ranks=pipeline.get("stage_ranks"),
                    stage_axis=pipeline.get("axis", "pp"), results=dict(data.get("results", {})),

@@ -161,9 +161,3 @@ class PassManager:
         for current in sorted(self.passes, key=lambda p: not p.structural):  # stable: plan order otherwise
             current.apply(program)
             program.note(f"applied {current.name}")
-
-    def run(self, program: Program) -> Program:
-        """annotate, then apply."""
-        self.annotate(program)
-        self.apply(program)
-        return program

@@ -1,7 +1,7 @@
 """The run-time half of the contract: what passes and model families add to every training step.
 
-`parallelize` asks every pass (`Pass.runtime_hooks`) and the model's family
-(`ModelFamily.runtime_hooks`) for `RuntimeHook`s, and the plan for one `Executor`. Then
+Passes add `RuntimeHook`s in `apply` (`program.add_hook`), the model's family adds those its
+own layers need (`ModelFamily.runtime_hooks`), and a pass may set the one `Executor`. Then
 `ParallelModel.forward_backward` is one loop for every plan:
 
     batch = hooks' shard_batch(data-parallel batch)          # CP: this rank's sequence shard

@@ -139,7 +139,7 @@ def compare_training(
         ref_opt.step()
         par_opt.step()
         update_expert_bias(reference)
-        parallel.update_expert_bias()
+        parallel.after_optimizer_step()
         for name, param in parallel.named_parameters():
             error = relative_error(full(param), ref_params[name])
             result.params[name] = max(result.params.get(name, 0.0), error)

@@ -21,8 +21,6 @@ from dtmega.passes.results import (
     TensorParallelism,
 )
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 def model_shape_of(program: Program) -> ModelShape:
     """The model's sizes from the family's facts (and, for experts, the layout's shapes)."""
@@ -54,9 +52,9 @@ def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanSha
     entries = list(program.layout.modules.values())
     policies = [entry.recompute for entry in entries if entry.recompute]
     recompute = "full" if "full" in policies else "selective" if policies else "none"
-    precision = program.layout[""].precision or ""
-    fields = dict(item.split("=", 1) for item in precision.split() if "=" in item)
-    dtype = _DTYPES.get(fields.get("param") or fields.get("autocast") or "", workload.dtype if workload else "float32")
+    precision = program.layout[""].precision
+    compute = precision.compute_dtype if precision is not None else None
+    dtype = compute or (workload.dtype if workload else "float32")
     mesh = program.mesh_shape
     dp = program.data_size(context=False)
     mode = data.mode if data else "fsdp"
@@ -72,7 +70,7 @@ def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanSha
         micro_batch=workload.micro_batch if workload else 1, microbatches=microbatches, recompute=recompute,
         fused_kernels=any(entry.kernel and entry.kernel.startswith(("rms_norm", "swiglu")) for entry in entries),
         fused_loss=program.result(FusedLoss) is not None, compiled=program.result(Compilation) is not None,
-        cpu_optimizer="offload=cpu" in precision, dtype=dtype,
+        cpu_optimizer=precision is not None and precision.offload == "cpu", dtype=dtype,
         fused_optimizer=hardware.fused_optimizer if hardware else getattr(program.mesh, "device_type", "cpu") == "cuda",
     )
 

@@ -24,7 +24,7 @@ from dtmega.cost.estimate import CostEstimate
 from dtmega.cost.hardware import BUILT_IN, load_hardware
 from dtmega.cost.memory import gib
 from dtmega.cost.plan_flags import as_flags, train_options
-from dtmega.cost.search import SearchResult, Workload, matches, parse_plan_spec, search
+from dtmega.cost.search import RunWorkload, SearchResult, matches, parse_plan_spec, search
 from dtmega.cost.shapes import ModelShape
 from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.toml_io import dump_toml
@@ -75,7 +75,7 @@ def model_shape_for(name: str) -> ModelShape:
     return ModelShape.of(spec.config)
 
 
-def run_search(args: argparse.Namespace) -> tuple[ModelShape, Workload, SearchResult, object]:
+def run_search(args: argparse.Namespace) -> tuple[ModelShape, RunWorkload, SearchResult, object]:
     """Checks the options and searches."""
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
                         ("--seq-length", args.seq_length), ("--global-batch-size", args.global_batch_size),
@@ -94,7 +94,7 @@ def run_search(args: argparse.Namespace) -> tuple[ModelShape, Workload, SearchRe
             raise PlanArgumentError(f"--fp8: {hardware.name} lists no FP8 rate (H100, H200 and B200 do)")
         hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops,
                                                              "bfloat16": hardware.peak_flops["float8"]})
-    work = Workload(args.seq_length, args.global_batch_size, args.dtype)
+    work = RunWorkload(args.seq_length, args.global_batch_size, args.dtype)
     specs = [parse_plan_spec(text) for text in args.compare]
     result = search(model, args.gpus, min(args.gpus_per_node, args.gpus), work, hardware, headroom=args.headroom,
                     max_micro_batch=args.max_micro_batch, allow_cpu_optimizer=not args.no_cpu_optimizer)
@@ -125,7 +125,7 @@ def explain(best: CostEstimate, other: CostEstimate) -> str:
     return ", ".join(parts) or "the same components within 0.5 %"
 
 
-def compare_lines(model: ModelShape, work: Workload, result: SearchResult, hardware, specs: list[dict]) -> list[str]:
+def compare_lines(model: ModelShape, work: RunWorkload, result: SearchResult, hardware, specs: list[dict]) -> list[str]:
     """For each --compare spec: its rank (or why it is not a candidate) and the difference."""
     lines = []
     best = result.ranked[0] if result.ranked else None
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         out.print(f"wrote {args.out} (dtmega train --config {args.out})", highlight=False)
 
 
-def best_plan(model: ModelShape, gpus: int, gpus_per_node: int, work: Workload, hardware) -> CostEstimate:
+def best_plan(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorkload, hardware) -> CostEstimate:
     """The top plan, for `dtmega train --auto-plan` (PlanArgumentError naming why if none fits)."""
     result = search(model, gpus, min(gpus_per_node, gpus), work, hardware)
     if not result.ranked:

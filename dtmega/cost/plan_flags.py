@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtmega.cost.search import Workload, pipeline_splits
+from dtmega.cost.search import RunWorkload, pipeline_splits
 from dtmega.cost.shapes import ModelShape, PlanShape
 
 CP_COMM = {"ring": "p2p", "all_gather": "all_gather", "a2a": "a2a"}
 
 
-def train_options(plan: PlanShape, model: ModelShape, work: Workload) -> dict[str, Any]:
+def train_options(plan: PlanShape, model: ModelShape, work: RunWorkload) -> dict[str, Any]:
     """The TrainArgs fields (flag names with underscores) that run `plan`."""
     options: dict[str, Any] = {
         "tensor_model_parallel_size": plan.tp, "pipeline_model_parallel_size": plan.pp,

@@ -23,7 +23,7 @@ from dtmega.kernels.errors import DtmegaError
 
 
 @dataclass(frozen=True)
-class Workload:
+class RunWorkload:
     """What the run trains on: sequence length, sequences per step, compute dtype."""
 
     seq: int
@@ -63,7 +63,7 @@ def pipeline_splits(layers: int, pp: int) -> tuple[int, int] | None:
     return ends // 2, ends // 2
 
 
-def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: Workload, result: SearchResult,
+def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorkload, result: SearchResult,
                *, max_micro_batch: int = 16, allow_cpu_optimizer: bool = True, fused_optimizer: bool = True):
     """Every legal PlanShape (illegal ones are counted in `result` with their reason)."""
     for tp in [d for d in divisors(gpus_per_node) if gpus % d == 0]:
@@ -121,7 +121,7 @@ def _data_modes(dp: int, cp: int, tp: int, ep: int, gpus_per_node: int) -> list[
     return modes
 
 
-def search(model: ModelShape, gpus: int, gpus_per_node: int, work: Workload, hardware: Hardware, *,
+def search(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorkload, hardware: Hardware, *,
            headroom: float = 0.9, max_micro_batch: int = 16, allow_cpu_optimizer: bool = True) -> SearchResult:
     """Every legal plan that fits `headroom` of the device memory, ranked by predicted tokens/s
     per GPU (ties: less memory first)."""

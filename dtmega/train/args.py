@@ -238,10 +238,6 @@ NOTED_FLAGS = {
 }
 _NOTED_WITH_VALUE = {"distributed_backend"}
 
-# Megatron flags for features other issues build: rejected with where they are planned.
-PLANNED_FLAGS: dict[str, str] = {}
-
-
 def _base_type(annotation: str) -> type:
     text = str(annotation)
     for name, kind in (("list", list), ("bool", bool), ("int", int), ("float", float)):
@@ -293,8 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag_of(name), help=f"accepted, no effect: {NOTED_FLAGS[name]}")
         else:
             parser.add_argument(flag_of(name), action="store_true", help=f"accepted, no effect: {NOTED_FLAGS[name]}")
-    for name, feature in PLANNED_FLAGS.items():
-        parser.add_argument(flag_of(name), help=f"not supported yet ({feature} is planned)")
     return parser
 
 
@@ -341,9 +335,6 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
     for name, reason in NOTED_FLAGS.items():
         if namespace.pop(name, None) not in (None, False):
             notes.append(f"{flag_of(name)} accepted: {reason}")
-    for name, feature in PLANNED_FLAGS.items():
-        if name in namespace:
-            raise ArgumentError(f"{flag_of(name)}: {feature} is not supported yet (planned in its own issue)")
     values: dict[str, Any] = {}
     config_path = namespace.pop("config", None)
     file_values = {}

@@ -41,7 +41,7 @@ def apply_auto_plan(args: TrainArgs, config, world: int) -> str:
     the model and the world size) and returns a note saying what was chosen and why."""
     from dtmega.cost.plan_cli import PlanArgumentError, best_plan
     from dtmega.cost.plan_flags import train_options
-    from dtmega.cost.search import Workload
+    from dtmega.cost.search import RunWorkload
     from dtmega.cost.shapes import ModelShape
     from dtmega.models.llama_config import LlamaConfig
 
@@ -56,7 +56,7 @@ def apply_auto_plan(args: TrainArgs, config, world: int) -> str:
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, hardware.gpus_per_node)
     model = ModelShape.of(config)
-    work = Workload(args.seq_length, args.global_batch_size, dtype)
+    work = RunWorkload(args.seq_length, args.global_batch_size, dtype)
     try:
         best = best_plan(model, world, per_node, work, hardware)
     except PlanArgumentError as error:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from dtmega.data.tokenizers import TokenizerSpec
 from dtmega.models.llama_config import LlamaConfig, RopeScaling
-from dtmega.models.llama_specs import llama_config_from_dict, llama_config_to_dict
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
     Compile,
@@ -340,13 +339,3 @@ def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
     if args.tokenizer_type is None:
         raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
     return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
-
-
-def config_to_dict(config: LlamaConfig) -> dict:
-    """LlamaConfig as JSON-ready data."""
-    return llama_config_to_dict(config)
-
-
-def config_from_dict(data: dict) -> LlamaConfig:
-    """Inverse of `config_to_dict`."""
-    return llama_config_from_dict(data)

@@ -46,7 +46,7 @@ from dtmega.train.schedule import LRSchedule
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
 from dtmega.train.straggler import StragglerLog
 from dtmega.train.watch import (
-    Progress,
+    RankMarks,
     check_same_arguments,
     launch_settings,
     looks_like_timeout,
@@ -113,7 +113,7 @@ class Trainer:
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
-        self.progress = Progress(self.mesh, args.distributed_timeout_minutes)
+        self.progress = RankMarks(self.mesh, args.distributed_timeout_minutes)
         model = run.build_model(args.seed)
         self.num_params = count_parameters(model)
         if self.spec.materialize == "seeded" and self.device_type != "cpu":

@@ -3,7 +3,7 @@
 - `check_same_arguments`: before any work, every rank's arguments, plan and versions are
   compared through one all-gather of a digest; ranks launched differently (another config file
   on one node, another torch) are named with the settings that differ, on every rank alike.
-- `Progress`: each rank writes where it is (step and phase) into the rendezvous store, a few
+- `RankMarks`: each rank writes where it is (step and phase) into the rendezvous store, a few
   bytes at each phase change. The store is a separate TCP service, so it still answers when a
   collective hangs: a rank whose collective times out reads everyone's marks and names the
   ranks that are elsewhere (still loading data at step 3, saving, gone), the phase it was in,
@@ -80,7 +80,7 @@ def looks_like_timeout(error: BaseException) -> bool:
     return isinstance(error, (dist.DistBackendError, RuntimeError)) and ("timed out" in text or "timeout" in text)
 
 
-class Progress:
+class RankMarks:
     """Where this rank is, written to the rendezvous store; read back to explain a timeout."""
 
     def __init__(self, mesh, timeout_minutes: float):

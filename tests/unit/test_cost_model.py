@@ -19,7 +19,7 @@ from dtmega.cost.memory import activation_bytes_per_token, memory, params_per_ra
 from dtmega.cost.plan_cli import PlanArgumentError
 from dtmega.cost.plan_cli import main as plan_main
 from dtmega.cost.plan_flags import train_options
-from dtmega.cost.search import Workload, search
+from dtmega.cost.search import RunWorkload, search
 from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.models import Llama, LlamaConfig
 from dtmega.passes import (
@@ -135,7 +135,7 @@ def test_chosen_plan_runs_as_the_passes_annotate_it():
 
     config = LlamaConfig.from_name("llama3-70b")
     model = ModelShape.of(config)
-    work = Workload(4096, 256)
+    work = RunWorkload(4096, 256)
     best = search(model, 64, 8, work, BUILT_IN["h100"], max_micro_batch=2).ranked[0]
     options = train_options(best.plan, model, work)
     argv = [item for key, value in options.items()
@@ -178,7 +178,7 @@ def test_plan_reproduces_the_seeds_table(name, gpus, seq, batch, seed, capsys):
     if "best plan is one of these" not in line:
         rank = int(line.split(" is #")[1].split()[0])
         assert rank <= 3 or ("slower than #1" in line and "where the time goes:" in line), line
-    ranked = search(ModelShape.of(LlamaConfig.from_name(name)), gpus, 8, Workload(seq, batch), BUILT_IN["h100"],
+    ranked = search(ModelShape.of(LlamaConfig.from_name(name)), gpus, 8, RunWorkload(seq, batch), BUILT_IN["h100"],
                     max_micro_batch=4).ranked
     assert ranked and ranked[0].memory.peak <= 80e9
 
@@ -216,7 +216,7 @@ def test_check_plan_reports_the_budget_and_the_405b_search_is_fast():
     rows = [str(cell) for cell in layout.cost.table().columns[0].cells]
     assert any("memory: peak" in row for row in rows) and any("step time" in row for row in rows)
     start = time.perf_counter()
-    result = search(ModelShape.of(LlamaConfig.from_name("llama3-405b")), 1024, 8, Workload(8192, 2048),
+    result = search(ModelShape.of(LlamaConfig.from_name("llama3-405b")), 1024, 8, RunWorkload(8192, 2048),
                     BUILT_IN["h100"], max_micro_batch=4)
     assert time.perf_counter() - start < 60 and result.ranked
 
@@ -252,7 +252,7 @@ def test_auto_plan_sets_the_winners_options():
             "--seq-length", "4096", "--bf16"]
     args, _ = parse_train_args(base)
     note = apply_auto_plan(args, config, 64)
-    best = search(ModelShape.of(config), 64, 8, Workload(4096, 1024), BUILT_IN["h100"]).ranked[0]
+    best = search(ModelShape.of(config), 64, 8, RunWorkload(4096, 1024), BUILT_IN["h100"]).ranked[0]
     assert best.plan.describe() in note and "--auto-plan on 64 x h100" in note
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
             args.micro_batch_size) == (best.plan.tp, best.plan.pp, best.plan.cp, best.plan.micro_batch)

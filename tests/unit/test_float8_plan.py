@@ -27,7 +27,7 @@ def _model(**overrides):
 
 
 def _linears(layout) -> dict[str, str]:
-    return {fqn: entry.precision for fqn, entry in layout.modules.items()
+    return {fqn: str(entry.precision) for fqn, entry in layout.modules.items()
             if fqn.endswith(("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output"))}
 
 

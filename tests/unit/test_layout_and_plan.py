@@ -44,7 +44,7 @@ def test_layout_records_every_decision():
     assert lay["output"].inputs == {"tp": "S(1)->R"}
     assert lay["layers.1.attention.core"].recompute == "selective"
     assert lay["layers.0.attention.core"].recompute is None
-    assert lay["layers.3"].wrap == "fsdp" and lay[""].precision == "param=bf16 reduce=fp32"
+    assert lay["layers.3"].wrap == "fsdp" and str(lay[""].precision) == "param=bf16 reduce=fp32"
 
 
 def test_layout_toml_round_trip_and_diff():

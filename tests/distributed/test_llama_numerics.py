@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dtmega
-from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
+from dtmega.passes import Compile, DataParallel, Recompute, SequenceParallel, TensorParallel
 from tests.helpers import (
     assert_close_to_reference,
     build_dtmega_llama,
@@ -136,7 +136,6 @@ def test_selective_recompute_in_compiled_blocks_matches_unsharded(name, backend)
     the suite's tolerances."""
     sizes, passes = COMPILED_SELECTIVE[name]
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=12)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan([*passes, Compile(backend)]))
     pm.init_weights(seed=12)
-    pm.compile(backend=backend)
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))

@@ -169,7 +169,8 @@ def test_tiny_runs_every_system_through_sweep_final_and_table(tmp_path):
     out = tmp_path / "summary.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--tiny", "--in-process",
-                           "--repeats", "2", "--results", str(tmp_path / "runs"), "--out", str(out)],
+                           "--repeats", "2", "--steps", "1", "--sweep-steps", "1", "--warmup", "0",
+                           "--results", str(tmp_path / "runs"), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(out.read_text())

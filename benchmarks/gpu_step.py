@@ -91,7 +91,7 @@ def gpu_state() -> dict | None:
 
 def flops_per_token(config, seq: int) -> float:
     """The project's MFU numerator: 6 x (N - V·d) + 12·L·d·S (the input lookup costs nothing)."""
-    from dtmega.models.llama_specs import llama_flops_per_token
+    from dtmega.models.llama.specs import llama_flops_per_token
 
     return llama_flops_per_token(config, seq)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.utils.checkpoint
 from torch import nn
@@ -86,18 +87,6 @@ class Recompute(Pass):
                     checkpoint_forward(module)  # another core (e.g. context-parallel attention)
 
 
-def _dtmega_core(module: nn.Module):
-    forward = module.forward
-
-    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0):
-        # decoding with a KV cache: nothing to recompute
-        if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
-            return forward(q, k, v, q_offset=q_offset)
-        return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    return recomputed
-
-
 def _torchtitan_sdpa(module: nn.Module):
     forward = module.forward
 
@@ -115,9 +104,14 @@ def _torchtitan_sdpa(module: nn.Module):
 # Attention cores whose computation is plain (causal or full) softmax attention: their forward
 # becomes the recomputed-attention op, which works eagerly and inside compiled blocks alike.
 ATTENTION_CORES = {
-    ("dtmega.models.llama", "CoreAttention"): _dtmega_core,
     ("torchtitan.models.common.attention", "ScaledDotProductAttention"): _torchtitan_sdpa,
 }
+
+
+def register_attention_core(module: str, class_name: str, make: Callable[[nn.Module], Callable]) -> None:
+    """Makes selective recompute turn the attention core `module.class_name` into the
+    recomputed-attention op: `make(core)` returns its new forward (a family registers its own)."""
+    ATTENTION_CORES[(module, class_name)] = make
 
 
 def _core_key(module: nn.Module) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dtmega.cost.estimate import CostEstimate, estimate
 from dtmega.cost.hardware import Hardware
 from dtmega.cost.shapes import ModelShape, PlanShape
+from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.fuse_kernels import FusedLoss
 from dtmega.passes.program import Program
 from dtmega.passes.results import (
@@ -39,6 +40,21 @@ def model_shape_of(program: Program) -> ModelShape:
                          if fqn.startswith(shared_fqn) for p in m.params.values()) // (3 * facts.dim)
     return ModelShape(facts.dim, facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.ffn_dim, facts.vocab_size,
                       facts.tied_embeddings, experts, top_k, expert_ffn, moe_layers, shared, capacity)
+
+
+def model_shape_of_spec(spec, config=None) -> ModelShape:
+    """The sizes of a registered model (`ModelSpec`, its own config unless one is given), read
+    from its family's facts on a meta-device build: any family the passes know, not only Llama
+    configs (what `dtmega plan` and `--auto-plan` rank plans for)."""
+    import torch
+
+    with torch.device("meta"):
+        model = spec.build(spec.config if config is None else config)
+    program = Program.build(model, {})
+    if program.family is None:
+        raise DtmegaError(f"model {spec.name!r}: no model family knows {type(model).__name__}, so the cost model has "
+                          "no shapes for it. Fix: register its family (dtmega.passes.register_family)")
+    return model_shape_of(program)
 
 
 def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanShape:

@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The options of `dtmega plan`."""
     parser = argparse.ArgumentParser(prog="dtmega plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a registered Llama-family model (llama3-8b, llama3-70b, ...)")
+    parser.add_argument("--model", required=True,
+                        help="a registered model (llama3-8b, llama3-70b, ...; yours with --custom-import)")
+    parser.add_argument("--custom-import", nargs="+", default=[],
+                        help="Python modules to import first (they register models and their families)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP and HSDP stay inside one)")
     parser.add_argument("--gpu", default="h100", help=f"{', '.join(BUILT_IN)}, or a file from `dtmega calibrate`")
@@ -60,23 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def import_custom(modules: list[str]) -> None:
+    """Imports --custom-import modules (they register models and families); PlanArgumentError
+    naming a module that does not import."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise PlanArgumentError(f"--custom-import {module}: {error}. Fix: a module importable from here "
+                                    "(on PYTHONPATH)") from None
+
+
 def model_shape_for(name: str) -> ModelShape:
-    """The registered model's sizes (Llama-family configs)."""
-    from dtmega.models.llama_config import LlamaConfig
+    """The registered model's sizes, from its family's facts (dtmega.cost.analysis)."""
+    from dtmega.cost.analysis import model_shape_of_spec
     from dtmega.models.registry import model_names, model_spec
 
     try:
         spec = model_spec(name)
     except KeyError:
         raise PlanArgumentError(f"--model {name!r} is unknown; choose one of {', '.join(model_names())}") from None
-    if not isinstance(spec.config, LlamaConfig):
-        raise PlanArgumentError(f"--model {name}: the cost model knows Llama-family configs (dense and MoE); "
-                                f"{type(spec.config).__name__} is not one")
-    return ModelShape.of(spec.config)
+    return model_shape_of_spec(spec)
 
 
 def run_search(args: argparse.Namespace) -> tuple[ModelShape, RunWorkload, SearchResult, object]:
     """Checks the options and searches."""
+    import_custom(args.custom_import)
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
                         ("--seq-length", args.seq_length), ("--global-batch-size", args.global_batch_size),
                         ("--max-micro-batch", args.max_micro_batch)):

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
 from dtmega.models.moe_config import MoEConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
@@ -86,7 +86,7 @@ class ModelShape:
         """Model FLOPs per trained token (forward + backward), PaLM's accounting, as the trainer's
         MFU counts them (`llama_flops_per_token`): 6 x active non-embedding parameters + 12 x
         layers x dim x seq."""
-        from dtmega.models.llama_specs import llama_flops_per_token
+        from dtmega.models.llama.specs import llama_flops_per_token
 
         return llama_flops_per_token(self.config, seq)
 

@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
-from dtmega.interop.hf_config import HFFormatError, llama_config_from_hf
-from dtmega.interop.hf_layout import WeightSource, hf_source
 from dtmega.interop.hf_reader import HFSafetensorsReader
 from dtmega.models.llama import Llama
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
+from dtmega.models.llama.hf_config import HFFormatError, llama_config_from_hf
+from dtmega.models.llama.hf_names import WeightSource, hf_source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

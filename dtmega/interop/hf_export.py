@@ -6,7 +6,7 @@ The output holds `model-0000k-of-0000n.safetensors` shards of at most `max_shard
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged. Only one shard's
 tensors are in memory at a time: each is read from the DCP checkpoint by name
 (`dcp.load` of those keys, resharded from however it was saved), laid out as HF wants
-(hf_layout.py), cast to the output dtype and written. Everything goes to `OUT.partial` first,
+(dtmega/models/llama/hf_names.py), cast to the output dtype and written. Everything goes to `OUT.partial` first,
 renamed to OUT at the end: a failed export leaves no half-written model behind, and an OUT
 that exists is refused rather than overwritten.
 """
@@ -30,9 +30,9 @@ from dtmega.data.tokenizers import (
     SentencePieceTokenizer,
     tokenizer_from_json,
 )
-from dtmega.interop.hf_config import HFFormatError, hf_config_from_llama
-from dtmega.interop.hf_layout import hf_tensors
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
+from dtmega.models.llama.hf_config import HFFormatError, hf_config_from_llama
+from dtmega.models.llama.hf_names import hf_tensors
 from dtmega.train.checkpoint import TOKENIZER, read_state, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from dtmega.interop.hf_checkpoint import HFCheckpoint
-from dtmega.models.llama_specs import llama_config_to_dict
+from dtmega.models.llama.specs import llama_config_to_dict
 
 # The sequence length commands default to for an HF model (its `args.seq_length`): its context,
 # capped so that `dtmega evaluate` of a 128K-context model does not default to 128K windows.

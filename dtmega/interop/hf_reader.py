@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dtmega.interop.hf_layout import WeightSource, hf_rows_to_dtmega
+from dtmega.models.llama.hf_names import WeightSource, hf_rows_to_dtmega
 
 
 class HFSafetensorsReader(StorageReader):

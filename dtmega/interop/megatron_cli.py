@@ -41,7 +41,7 @@ def convert_megatron(a: argparse.Namespace) -> Path:
 
     from dtmega.interop.hf_import import DEFAULT_SEQ_LENGTH
     from dtmega.models.llama import Llama
-    from dtmega.models.llama_specs import llama_config_to_dict
+    from dtmega.models.llama.specs import llama_config_to_dict
     from dtmega.train.checkpoint import save_checkpoint
 
     checkpoint = MegatronCheckpoint(a.load)

@@ -35,9 +35,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dtmega.interop.hf_layout import hf_rows_to_dtmega
 from dtmega.kernels.errors import DtmegaError
-from dtmega.models.llama_config import LlamaConfig, RopeScaling
+from dtmega.models.llama.config import LlamaConfig, RopeScaling
+from dtmega.models.llama.hf_names import hf_rows_to_dtmega
 
 LAYERS = "decoder.layers."
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dtmega.models.llama_config import RopeScaling
+from dtmega.models.llama.config import RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtmega.kernels.errors import DtmegaError
-from dtmega.models.llama_config import NAMED_CONFIGS
+from dtmega.models.llama.config import NAMED_CONFIGS
 from dtmega.passes.toml_io import load_toml
 from dtmega.train.arg_checks import (
     OptionValueError,

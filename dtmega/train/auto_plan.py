@@ -36,26 +36,24 @@ def hardware_for(args: TrainArgs):
                         "--ranks <ranks per node> --out hw.toml` (or name a GPU: h100, h200, a100, b200)")
 
 
-def apply_auto_plan(args: TrainArgs, config, world: int) -> str:
+def apply_auto_plan(args: TrainArgs, spec, config, world: int) -> str:
     """Sets the plan's options on `args` (the same on every rank: a pure function of the arguments,
-    the model and the world size) and returns a note saying what was chosen and why."""
+    the model and the world size) and returns a note saying what was chosen and why. `spec` and
+    `config`: the model (its shapes come from its family's facts)."""
+    from dtmega.cost.analysis import model_shape_of_spec
     from dtmega.cost.plan_cli import PlanArgumentError, best_plan
     from dtmega.cost.plan_flags import train_options
     from dtmega.cost.search import RunWorkload
-    from dtmega.cost.shapes import ModelShape
-    from dtmega.models.llama_config import LlamaConfig
 
     given = [f"--{name.replace('_', '-')}" for name, default in CHOSEN.items() if getattr(args, name) != default]
     if given:
         raise ArgumentError(f"--auto-plan chooses {', '.join(given)} itself. Fix: drop them, or drop --auto-plan")
     if args.global_batch_size is None:
         raise ArgumentError("--auto-plan needs --global-batch-size (the plan splits it into micro-batches)")
-    if not isinstance(config, LlamaConfig):
-        raise ArgumentError(f"--auto-plan: the cost model knows Llama-family models; {type(config).__name__} is not one")
     hardware = hardware_for(args)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, hardware.gpus_per_node)
-    model = ModelShape.of(config)
+    model = model_shape_of_spec(spec, config)
     work = RunWorkload(args.seq_length, args.global_batch_size, dtype)
     try:
         best = best_plan(model, world, per_node, work, hardware)

@@ -18,7 +18,7 @@ from dtmega.printing import console
 
 def flops_per_token(config, seq_length: int, spec=None) -> float:
     """Model FLOPs per trained token from the model's spec (dtmega's Llama formula by default)."""
-    from dtmega.models.llama_specs import llama_flops_per_token
+    from dtmega.models.llama.specs import llama_flops_per_token
 
     return (spec.flops_per_token if spec is not None else llama_flops_per_token)(config, seq_length)
 

@@ -123,7 +123,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     if args.auto_plan:
         from dtmega.train.auto_plan import apply_auto_plan
 
-        notes.append(apply_auto_plan(args, model_of(args, tokenizer.vocab_size)[1], world))
+        notes.append(apply_auto_plan(args, *model_of(args, tokenizer.vocab_size), world))
     shape = run_shape(args, world)
     spec, config = model_of(args, tokenizer.vocab_size)
     fresh = fresh_start_note(args.load, args.save)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtmega.data.tokenizers import TokenizerSpec
-from dtmega.models.llama_config import LlamaConfig, RopeScaling
+from dtmega.models.llama.config import LlamaConfig, RopeScaling
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
     Compile,

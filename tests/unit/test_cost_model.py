@@ -243,6 +243,7 @@ def test_auto_plan_sets_the_winners_options():
     """`dtmega train --auto-plan` takes the search's winner for its world size (the same pure
     function on every rank), refuses parallelism flags given beside it, and on a CPU asks for a
     hardware file."""
+    from dtmega.models import model_spec
     from dtmega.train.args import ArgumentError, parse_train_args
     from dtmega.train.auto_plan import apply_auto_plan
     from dtmega.train.setup import build_plan, run_shape
@@ -251,7 +252,7 @@ def test_auto_plan_sets_the_winners_options():
     base = ["--model", "llama3-70b", "--auto-plan", "--hardware", "h100", "--global-batch-size", "1024",
             "--seq-length", "4096", "--bf16"]
     args, _ = parse_train_args(base)
-    note = apply_auto_plan(args, config, 64)
+    note = apply_auto_plan(args, model_spec("llama3-70b"), config, 64)
     best = search(ModelShape.of(config), 64, 8, RunWorkload(4096, 1024), BUILT_IN["h100"]).ranked[0]
     assert best.plan.describe() in note and "--auto-plan on 64 x h100" in note
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
@@ -259,11 +260,12 @@ def test_auto_plan_sets_the_winners_options():
     shape = run_shape(args, 64)
     assert shape.dp == best.plan.dp and build_plan(args, shape, config.n_layers)
     with pytest.raises(ArgumentError, match="--auto-plan chooses --tensor-model-parallel-size"):
-        apply_auto_plan(parse_train_args([*base, "--tensor-model-parallel-size", "2"])[0], config, 64)
+        apply_auto_plan(parse_train_args([*base, "--tensor-model-parallel-size", "2"])[0], model_spec("llama3-70b"),
+                        config, 64)
     cpu, _ = parse_train_args([arg for arg in base if arg not in ("--hardware", "h100")])
     if not torch.cuda.is_available():
         with pytest.raises(ArgumentError, match="dtmega calibrate"):
-            apply_auto_plan(cpu, config, 64)
+            apply_auto_plan(cpu, model_spec("llama3-70b"), config, 64)
 
 
 def test_calibrate_writes_a_file_the_planner_reads(tmp_path, capsys):

@@ -21,9 +21,9 @@ from safetensors import safe_open
 from dtmega.cli import main as dtmega_main
 from dtmega.data.tokenizers import SentencePieceTokenizer, TokenizerSpec, build_tokenizer, tokenizer_from_json
 from dtmega.interop.hf_checkpoint import HFCheckpoint
-from dtmega.interop.hf_config import HFFormatError
-from dtmega.interop.hf_layout import dtmega_rows_to_hf, hf_rows_to_dtmega
 from dtmega.models.llama import Llama
+from dtmega.models.llama.hf_config import HFFormatError
+from dtmega.models.llama.hf_names import dtmega_rows_to_hf, hf_rows_to_dtmega
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
 from tests.hf_models import save_tiny_llama31, save_tiny_mixtral
@@ -306,7 +306,7 @@ def test_export_refuses_a_directory_that_holds_files(tiny_checkpoint, tmp_path):
 
 
 def test_the_docs_name_table_is_the_mapping_the_code_uses():
-    from dtmega.interop.hf_layout import NAME_TABLE
+    from dtmega.models.llama.hf_names import NAME_TABLE
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
     for ours, theirs in NAME_TABLE:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dtmega.kernels.rope import apply_rope_qk
 from dtmega.kernels.triton_support import LAUNCHES
-from dtmega.models.llama_config import RopeScaling
+from dtmega.models.llama.config import RopeScaling
 from dtmega.models.rope import apply_rope, rope_cache
 from tests.helpers import relative_error
 

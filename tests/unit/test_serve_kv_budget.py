@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
 from dtmega.serve.kv_budget import GiB, KVBudget, kv_budget, kv_bytes_per_token, parse_bytes, size_kv_cache
 
 # SmolLM2-135M's shape: 30 blocks, 3 KV heads of 64, an 8192-token context

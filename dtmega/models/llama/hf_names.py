@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dtmega.init import InitSpec, init_parameters
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
-from dtmega.models.llama_config import LlamaConfig
+from dtmega.models.llama.config import LlamaConfig
 from dtmega.models.moe import MoE
 from dtmega.models.rope import apply_rope, rope_cache
 

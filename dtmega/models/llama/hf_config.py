@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtmega.kernels.errors import DtmegaError
-from dtmega.models.llama_config import LlamaConfig, RopeScaling
+from dtmega.models.llama.config import LlamaConfig, RopeScaling
 from dtmega.models.moe_config import MoEConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}

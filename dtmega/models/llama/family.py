@@ -5,11 +5,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import dtmega.models.llama_fusion  # noqa: F401  (registers the family's fusion sites)
-from dtmega.models.llama import Llama
+import dtmega.models.llama.fusion  # noqa: F401  (registers the family's fusion sites)
+from dtmega.kernels.recomputed_attention import recomputed_attention
+from dtmega.models.llama.model import Llama
 from dtmega.models.moe import MoE, moe_layers
 from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
+from dtmega.passes.recompute import register_attention_core
 from dtmega.passes.rules import Rule
+
+
+def _recomputed_core(module: nn.Module):
+    """The attention core's forward as the recomputed-attention op (selective recompute)."""
+    forward = module.forward
+
+    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0):
+        # decoding with a KV cache: nothing to recompute
+        if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
+            return forward(q, k, v, q_offset=q_offset)
+        return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    return recomputed
 
 
 def _describe(model: Llama) -> ModelFacts:
@@ -91,3 +106,4 @@ DTMEGA_LLAMA = register_family(
         runtime_hooks=_runtime_hooks,
     )
 )
+register_attention_core("dtmega.models.llama.model", "CoreAttention", _recomputed_core)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtmega.models.llama import Llama
-from dtmega.models.llama_config import NAMED_CONFIGS, LlamaConfig, RopeScaling
+from dtmega.models.llama.config import NAMED_CONFIGS, LlamaConfig, RopeScaling
+from dtmega.models.llama.model import Llama
 from dtmega.models.moe_config import MoEConfig
 from dtmega.models.registry import ModelSpec, register_model
 

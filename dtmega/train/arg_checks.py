@@ -16,28 +16,6 @@ from typing import Any
 
 from dtmega.kernels.errors import DtmegaError
 
-# Sizes and counts that must be >= 1 when given (None means "derive it").
-AT_LEAST_ONE = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
-    "max_position_embeddings", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "microbatches",
-    "context_parallel_size", "data_parallel_shard_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-    "recompute_num_layers", "fp8_amax_history_len", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size", "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters",
-    "lr_wsd_decay_iters", "loss_scale_window", "save_interval", "eval_interval", "log_interval", "max_skipped_steps",
-    "straggler_minmax_count",
-)
-# Counts, rates and coefficients where 0 means "none" but a negative value means nothing.
-AT_LEAST_ZERO = (
-    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "fp8_min_features",
-    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_bias_update_rate", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "eval_iters",
-    "hysteresis", "attention_dropout", "hidden_dropout", "seed",
-)
-# Strictly positive reals.
-POSITIVE = ("init_method_std", "norm_epsilon", "rotary_base", "adam_eps", "initial_loss_scale", "min_loss_scale",
-            "loss_scale", "moe_expert_capacity_factor", "moe_router_topk_scaling_factor", "distributed_timeout_minutes")
-
 
 class OptionValueError(DtmegaError):
     """An option's value cannot mean anything; the message names the flag and the fix."""
@@ -89,14 +67,16 @@ def check_toml_types(values: dict[str, Any], kinds: dict[str, type], source: str
 
 def check_ranges(args: Any) -> None:
     """Refuses zero or negative sizes and counts, negative rates and non-finite reals, naming
-    the flag (the same on every rank: it reads the arguments only)."""
+    the flag (the same on every rank: it reads the arguments only). Each section of the
+    arguments lists its own bounded fields (`at_least_one`, `at_least_zero`, `positive`)."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise OptionValueError(f"{flag_of(f.name)} {value}: must be a finite number")
-    for group, bound, words in ((AT_LEAST_ONE, 1, "at least 1"), (AT_LEAST_ZERO, 0, "0 or more"),
-                                (POSITIVE, None, "greater than 0")):
-        for name in group:
+    sections = [cls for cls in type(args).__mro__ if cls is not object]
+    for group, bound, words in (("at_least_one", 1, "at least 1"), ("at_least_zero", 0, "0 or more"),
+                                ("positive", None, "greater than 0")):
+        for name in [name for cls in sections for name in vars(cls).get(group, ())]:
             value = getattr(args, name, None)
             if value is None or isinstance(value, bool):
                 continue

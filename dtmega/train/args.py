@@ -14,7 +14,7 @@ import difflib
 import importlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import NAMED_CONFIGS
@@ -38,11 +38,18 @@ def _opt(default: Any = None, help: str = "", choices: tuple | None = None) -> A
     return field(default=default, metadata=meta)
 
 
-@dataclass
-class TrainArgs:
-    """All options of a training run (flag --foo-bar is field foo_bar)."""
+@dataclass(frozen=True)
+class ModelArgs:
+    """The model: a registered name or Megatron's size flags, and what the family's config takes."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "ffn_hidden_size",
+        "num_attention_heads", "num_query_groups", "seq_length", "max_position_embeddings",
+        "make_vocab_size_divisible_by")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("attention_dropout", "hidden_dropout")
+    # strictly positive reals
+    positive: ClassVar[tuple[str, ...]] = ("init_method_std", "norm_epsilon", "rotary_base")
 
-    # ---- model ----
     model: str | None = _opt(None, "a registered model: " + ", ".join(NAMED_CONFIGS) + ", or one of your own "
                                    "(dtmega.models.register_model in a --custom-import module)")
     custom_import: list[str] = _opt([], "Python modules to import first (they register models, families, passes)")
@@ -65,18 +72,18 @@ class TrainArgs:
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
     attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
     hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")
-    # ---- parallelism ----
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """How the run is split over ranks (pipelines apart): TP/SP, CP, data parallelism, EP, recompute, compile,
+    --auto-plan."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("tensor_model_parallel_size", "microbatches", "context_parallel_size",
+        "data_parallel_shard_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "recompute_num_layers")
+
     tensor_model_parallel_size: int = _opt(1, "TP size")
-    pipeline_model_parallel_size: int = _opt(1, "PP size")
-    pipeline_schedule: str | None = _opt(None, "pipeline schedule (default: 1f1b, or interleaved_1f1b with virtual stages)",
-                                         ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-                                          "zbv", "dualpipev"))
-    num_layers_per_virtual_pipeline_stage: int | None = _opt(None, "blocks per virtual stage (interleaved schedules)")
-    decoder_first_pipeline_num_layers: int | None = _opt(None, "blocks on the first pipeline stage (uneven split)")
-    decoder_last_pipeline_num_layers: int | None = _opt(None, "blocks on the last pipeline stage (uneven split)")
-    account_for_embedding_in_pipeline_split: bool = _opt(False, "the embedding takes one block's slot in the split")
-    account_for_loss_in_pipeline_split: bool = _opt(False, "the output layer and loss take one block's slot")
-    pipeline_model_parallel_layout: str | None = _opt(None, "explicit split, e.g. 'Et*3|t*4|t*4|t*3L'")
     microbatches: int | None = _opt(None, "micro-batches per step (default: global batch / micro batch / DP)")
     context_parallel_size: int = _opt(1, "CP size: every sequence split over this many ranks")
     cp_comm_type: str = _opt("p2p", "context-parallel attention: p2p (ring), all_gather, a2a (Ulysses)",
@@ -99,7 +106,32 @@ class TrainArgs:
     recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
-    # ---- fused kernels (FuseKernels: Triton on GPUs, the PyTorch references elsewhere) ----
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    """Pipeline parallelism: the size, and how blocks split into stages and which schedule runs."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+
+    pipeline_model_parallel_size: int = _opt(1, "PP size")
+    pipeline_schedule: str | None = _opt(None, "pipeline schedule (default: 1f1b, or interleaved_1f1b with virtual stages)",
+                                         ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                          "zbv", "dualpipev"))
+    num_layers_per_virtual_pipeline_stage: int | None = _opt(None, "blocks per virtual stage (interleaved schedules)")
+    decoder_first_pipeline_num_layers: int | None = _opt(None, "blocks on the first pipeline stage (uneven split)")
+    decoder_last_pipeline_num_layers: int | None = _opt(None, "blocks on the last pipeline stage (uneven split)")
+    account_for_embedding_in_pipeline_split: bool = _opt(False, "the embedding takes one block's slot in the split")
+    account_for_loss_in_pipeline_split: bool = _opt(False, "the output layer and loss take one block's slot")
+    pipeline_model_parallel_layout: str | None = _opt(None, "explicit split, e.g. 'Et*3|t*4|t*4|t*3L'")
+
+
+@dataclass(frozen=True)
+class FusionArgs:
+    """Fused kernels (FuseKernels: Triton on GPUs, the PyTorch references elsewhere)."""
+
     cross_entropy_loss_fusion: bool = _opt(False, "output layer + cross entropy in one chunked kernel (logits never "
                                                   "materialized; vocab-parallel under TP)")
     cross_entropy_fusion_impl: str = _opt("native", "which fused cross entropy: native (dtmega's kernel); te "
@@ -108,7 +140,17 @@ class TrainArgs:
     no_rope_fusion: bool = _opt(False, "apply RoPE to q and k with plain PyTorch ops instead of one fused kernel")
     no_bias_swiglu_fusion: bool = _opt(False, "SwiGLU with plain PyTorch ops instead of the fused kernel")
     no_rms_norm_fusion: bool = _opt(False, "RMSNorm (and the residual add before it) without the fused kernels")
-    # ---- FP8 (the Float8 pass; docs/fp8.md) ----
+
+
+@dataclass(frozen=True)
+class FP8Args:
+    """FP8 training (the Float8 pass; docs/fp8.md)."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("fp8_amax_history_len",)
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("fp8_min_features", "num_layers_at_start_in_bf16",
+        "num_layers_at_end_in_bf16")
+
     fp8_format: str | None = _opt(None, "train the blocks' linears in FP8: e4m3 everywhere, or hybrid (e4m3 forward, "
                                         "e5m2 gradients)", ("e4m3", "hybrid"))
     fp8_hybrid: bool = _opt(False, "= --fp8-format hybrid")
@@ -124,7 +166,20 @@ class TrainArgs:
     num_layers_at_end_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the end kept bf16")
     transformer_impl: str = _opt("local", "local: dtmega's modules (FP8 by its own kernels); transformer_engine: "
                                           "FP8 linears by Transformer Engine", ("local", "transformer_engine"))
-    # ---- mixture of experts ----
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Mixture of experts: the experts, their router and its balancing, dispatch."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_router_bias_update_rate")
+    # strictly positive reals
+    positive: ClassVar[tuple[str, ...]] = ("moe_expert_capacity_factor", "moe_router_topk_scaling_factor")
+
     num_experts: int | None = _opt(None, "experts per MoE layer (unset: every block dense)")
     moe_router_topk: int = _opt(2, "experts each token is routed to")
     moe_ffn_hidden_size: int | None = _opt(None, "hidden size of one expert (default: --ffn-hidden-size)")
@@ -143,7 +198,20 @@ class TrainArgs:
     moe_token_drop_policy: str = _opt("probs", "which tokens an over-capacity expert keeps", ("probs", "position"))
     moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks", ("alltoall", "allgather"))
     moe_grouped_gemm: bool = _opt(False, "run the local experts as one grouped GEMM (else a loop over experts)")
-    # ---- batch and optimizer ----
+
+
+@dataclass(frozen=True)
+class OptimizerArgs:
+    """Batch sizes, schedule, AdamW, mixed precision and loss scaling, divergence checks."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("micro_batch_size", "global_batch_size", "train_iters",
+        "lr_decay_iters", "lr_wsd_decay_iters", "loss_scale_window", "max_skipped_steps")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
+        "hysteresis")
+    # strictly positive reals
+    positive: ClassVar[tuple[str, ...]] = ("adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale")
+
     micro_batch_size: int | None = _opt(None, "sequences per rank per micro-batch (default 1, or from --microbatches)")
     global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
     train_iters: int | None = _opt(None, "optimizer steps")
@@ -171,7 +239,12 @@ class TrainArgs:
     min_loss_scale: float = _opt(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = _opt(1000, "steps without overflow before the scale doubles")
     hysteresis: int = _opt(2, "overflows tolerated before the scale halves")
-    # ---- data ----
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """The data: dataset prefixes and split, tokenizer, document handling, order."""
+
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
     tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing",
@@ -185,7 +258,32 @@ class TrainArgs:
     reset_attention_mask: bool = _opt(False, "block attention across documents (not supported yet)")
     dataloader_type: str = _opt("single", "single: the dataset's own (shuffled) order; cyclic: also a fresh "
                                           "shuffle of the samples every pass (resumable)", ("single", "cyclic"))
-    # ---- checkpoints, evaluation, logging ----
+
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        """--split as three floats."""
+        try:
+            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1") from None
+        if len(parts) == 1:
+            parts += [0.0, 0.0]
+        if len(parts) != 3:
+            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1")
+        return tuple(parts)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """Checkpoints, evaluation, logging and the collective timeout."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "eval_interval", "log_interval",
+        "straggler_minmax_count")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed")
+    # strictly positive reals
+    positive: ClassVar[tuple[str, ...]] = ("distributed_timeout_minutes",)
+
     save: str | None = _opt(None, "checkpoint directory to write")
     load: str | None = _opt(None, "checkpoint directory (or iter_* directory) to resume from")
     load_hf: str | None = _opt(None, "Hugging Face model directory to start from: its config, tokenizer and "
@@ -204,22 +302,22 @@ class TrainArgs:
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
     seed: int = _opt(1234, "random seed (init and data order)")
-    # ---- checking a launch ----
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """Checking a launch before it runs."""
+
     dry_run: int | None = _opt(None, "check the run for N ranks (default: this launch's) on no device: arguments, "
                                      "files, plan and layout; print it and exit")
 
-    @property
-    def split_weights(self) -> tuple[float, float, float]:
-        """--split as three floats."""
-        try:
-            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
-        except ValueError:
-            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1") from None
-        if len(parts) == 1:
-            parts += [0.0, 0.0]
-        if len(parts) != 3:
-            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1")
-        return tuple(parts)  # type: ignore[return-value]
+@dataclass(frozen=True)
+class TrainArgs(LaunchArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs, FP8Args, FusionArgs, PipelineArgs,
+                ParallelArgs, ModelArgs):
+    """All options of a training run (flag --foo-bar is field foo_bar), in sections that each own
+    their fields and their range checks (the bases, listed last-first so fields keep the order
+    model, parallel, pipeline, ...). Immutable: what is derived later (the plan --auto-plan
+    picks, a start without a checkpoint) is a new value (`dataclasses.replace`)."""
 
 
 # Megatron flags that mean nothing here: accepted, with the reason.

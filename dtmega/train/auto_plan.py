@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from dtmega.train.args import ArgumentError, TrainArgs
@@ -36,10 +37,10 @@ def hardware_for(args: TrainArgs):
                         "--ranks <ranks per node> --out hw.toml` (or name a GPU: h100, h200, a100, b200)")
 
 
-def apply_auto_plan(args: TrainArgs, spec, config, world: int) -> str:
-    """Sets the plan's options on `args` (the same on every rank: a pure function of the arguments,
-    the model and the world size) and returns a note saying what was chosen and why. `spec` and
-    `config`: the model (its shapes come from its family's facts)."""
+def apply_auto_plan(args: TrainArgs, spec, config, world: int) -> tuple[TrainArgs, str]:
+    """The arguments with the plan's options the cost model chose (the same on every rank: a pure
+    function of the arguments, the model and the world size), and a note saying what was chosen
+    and why. `spec` and `config`: the model (its shapes come from its family's facts)."""
     from dtmega.cost.analysis import model_shape_of_spec
     from dtmega.cost.plan_cli import PlanArgumentError, best_plan
     from dtmega.cost.plan_flags import train_options
@@ -60,9 +61,8 @@ def apply_auto_plan(args: TrainArgs, spec, config, world: int) -> str:
     except PlanArgumentError as error:
         raise ArgumentError(str(error)) from None
     options = train_options(best.plan, model, work)
-    for name, value in options.items():
-        if name in ("bf16", "fp16", "seq_length", "global_batch_size"):
-            continue  # the run's own choices, which the search took as given
-        setattr(args, name, value)
-    return (f"--auto-plan on {world} x {hardware.name}: {best.plan.describe()}; predicted {best.memory.peak / 2**30:.2f} "
+    chosen = {name: value for name, value in options.items()
+              if name not in ("bf16", "fp16", "seq_length", "global_batch_size")}  # the run's own, taken as given
+    args = dataclasses.replace(args, **chosen)
+    return args, (f"--auto-plan on {world} x {hardware.name}: {best.plan.describe()}; predicted {best.memory.peak / 2**30:.2f} "
             f"GiB per rank, {best.step_s:.3f} s per step, MFU {best.mfu:.1%} (dtmega plan shows the ranking)")

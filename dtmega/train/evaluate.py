@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def main(argv: list[str]):
     shape = run_shape(args, dist.get_world_size())
     tokens = sum(IndexedDataset(p).num_tokens for _, p in parse_data_path(a.data_path))
     iters = a.eval_iters or run_iters or max(1, (tokens - 1) // seq_length // shape.global_batch)
-    args.eval_iters = iters
+    args = dataclasses.replace(args, eval_iters=iters)
     dataset = build_datasets(DataConfig(tuple(a.data_path), args.split_weights, seq_length, seed),
                              {"valid": iters * shape.global_batch})["valid"]
     if dataset is None:

@@ -10,6 +10,7 @@ with the bytes of parameters per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ class RunPlan:
     plan: Plan
     unigram_entropy: float | None
     spec: ModelSpec
+    args: TrainArgs  # the arguments as the run takes them (with what --auto-plan chose, --load dropped on a fresh start)
     notes: list[str] = field(default_factory=list)  # what start-up decided that the user should hear
 
     def build_model(self, seed: int):
@@ -123,13 +125,14 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     if args.auto_plan:
         from dtmega.train.auto_plan import apply_auto_plan
 
-        notes.append(apply_auto_plan(args, *model_of(args, tokenizer.vocab_size), world))
+        args, note = apply_auto_plan(args, *model_of(args, tokenizer.vocab_size), world)
+        notes.append(note)
     shape = run_shape(args, world)
     spec, config = model_of(args, tokenizer.vocab_size)
     fresh = fresh_start_note(args.load, args.save)
     if fresh is not None:
         notes.append(fresh)
-        args.load = None
+        args = dataclasses.replace(args, load=None)
     if args.load:
         config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
     for _, prefix in parse_data_path(list(args.data_path)):
@@ -141,7 +144,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     if args.save:
         warning = check_save_dir(args.save, parameters, create=args.dry_run is None)
         notes += [warning] if warning else []
-    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, notes)
+    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, args, notes)
 
 
 def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> int:

@@ -7,7 +7,7 @@ runs identically on every rank and every bad combination fails before any collec
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dtmega.data.tokenizers import TokenizerSpec
@@ -27,7 +27,7 @@ from dtmega.passes import (
     SequenceParallel,
     TensorParallel,
 )
-from dtmega.train.args import ArgumentError, TrainArgs
+from dtmega.train.args import ArgumentError, MoEArgs, PipelineArgs, TrainArgs
 from dtmega.train.not_built import refuse_not_built
 
 
@@ -174,9 +174,8 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
         raise ArgumentError(str(error)) from None
 
 
-MOE_FLAGS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
-             "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_router_enable_expert_bias", "moe_grouped_gemm",
-             "moe_router_pre_softmax", "moe_aux_loss_coeff")
+# MoE options that mean something only with --num-experts (those the user sets: falsy defaults)
+MOE_FLAGS = tuple(f.name for f in fields(MoEArgs) if f.name != "num_experts" and not f.default)
 
 
 def _layer_pattern(text: str, n_layers: int) -> tuple[int, int]:
@@ -303,9 +302,8 @@ def float8_backend(args: TrainArgs) -> str:
     return "transformer_engine" if args.transformer_impl == "transformer_engine" else "dtmega"
 
 
-PIPELINE_ONLY = ("pipeline_schedule", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
-                 "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout")
+# pipeline options that mean something only with --pipeline-model-parallel-size > 1
+PIPELINE_ONLY = tuple(f.name for f in fields(PipelineArgs) if f.name != "pipeline_model_parallel_size")
 
 
 def _flags(names, args) -> list[str]:

@@ -85,10 +85,10 @@ class Trainer:
     """Holds the run's pieces; `run()` trains, evaluates, logs and checkpoints."""
 
     def __init__(self, args: TrainArgs, notes: list[str], mesh=None):
-        self.args = args
         self.device_type = default_device_type()
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
+        self.args = args = run.args  # with what start-up derived (--auto-plan's choices, a fresh start)
         init_distributed(self.device_type, timeout=timedelta(minutes=args.distributed_timeout_minutes))
         check_same_arguments(launch_settings(to_toml_dict(args), run.plan.to_toml()))  # before any work
         self.rank = dist.get_rank()

@@ -252,7 +252,7 @@ def test_auto_plan_sets_the_winners_options():
     base = ["--model", "llama3-70b", "--auto-plan", "--hardware", "h100", "--global-batch-size", "1024",
             "--seq-length", "4096", "--bf16"]
     args, _ = parse_train_args(base)
-    note = apply_auto_plan(args, model_spec("llama3-70b"), config, 64)
+    args, note = apply_auto_plan(args, model_spec("llama3-70b"), config, 64)
     best = search(ModelShape.of(config), 64, 8, RunWorkload(4096, 1024), BUILT_IN["h100"]).ranked[0]
     assert best.plan.describe() in note and "--auto-plan on 64 x h100" in note
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,

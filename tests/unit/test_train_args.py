@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -214,7 +215,7 @@ def test_a_sequence_longer_than_the_position_table_is_refused_before_any_work():
                                 "--seq-length", "256", "--max-position-embeddings", "128"])
     with pytest.raises(ArgumentError, match="--seq-length 256 is longer than --max-position-embeddings 128"):
         model_config(args, 256)
-    args.max_position_embeddings = None  # the table follows --seq-length
+    args = dataclasses.replace(args, max_position_embeddings=None)  # the table follows --seq-length
     assert model_config(args, 256).max_seq_len == 256
 
 
@@ -261,3 +262,29 @@ def test_sizes_and_counts_that_mean_nothing_are_refused_by_flag(flags, message):
     blamed on --split, a negative rotary base trained on NaN losses."""
     with pytest.raises(ArgumentError, match=message):
         parse_train_args(["--train-iters", "5", "--lr", "1e-3", *flags.split()])
+
+
+def test_the_arguments_are_sections_that_own_their_flags_and_checks_and_cannot_be_changed():
+    """TrainArgs is the sum of its sections (model, parallel, pipeline, fusion, fp8, moe,
+    optimizer, data, checkpoint, launch): each field is declared in exactly one, each range
+    check names a field of its own section, and the parsed result is immutable (what start-up
+    derives is a new value)."""
+    from dataclasses import FrozenInstanceError, fields
+
+    from dtmega.train import args as module
+
+    sections = [cls for cls in module.TrainArgs.__mro__[1:] if cls is not object]
+    assert len(sections) == 10
+    owners = {}
+    for section in sections:
+        own = {f.name for f in fields(section)}
+        for name in own:
+            owners.setdefault(name, []).append(section.__name__)
+        for group in ("at_least_one", "at_least_zero", "positive"):
+            assert set(vars(section).get(group, ())) <= own, (section.__name__, group)
+    assert set(owners) == {f.name for f in fields(module.TrainArgs)}
+    assert all(len(names) == 1 for names in owners.values())
+    args, _ = parse_train_args(["--lr", "1e-3"])
+    with pytest.raises(FrozenInstanceError):
+        args.lr = 2e-3
+    assert dataclasses.replace(args, lr=2e-3).lr == 2e-3 and args.lr == 1e-3

@@ -19,10 +19,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_sum
-from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.kernels.triton_support import triton_available
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
+from dtmega.passes.fused_ops import FUSED_OPS, LOSS
 from dtmega.passes.fusion_sites import BLOCK_RESIDUALS, FORWARDS, SITES
 from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out
 from dtmega.passes.loss import Loss, register_loss
@@ -32,7 +32,6 @@ from dtmega.passes.runtime import Batch
 from dtmega.passes.tp_styles import _src, register_style_variant
 
 IMPLS = ("auto", "triton", "reference")
-LOSS = "cross_entropy.fused_linear"
 
 
 @dataclass(frozen=True)
@@ -40,16 +39,6 @@ class FusedLoss(PassResult):
     """The fused loss's chunking (tokens per chunk; None: the kernel's default)."""
 
     chunk_size: int | None = None
-
-for _impl in ("triton", "reference"):
-    _devices = ("cuda",) if _impl == "triton" else ()
-    _packages = ("triton",) if _impl == "triton" else ()
-    for _op, _what in (("rms_norm", "RMSNorm"), ("rms_norm_residual", "residual add + RMSNorm"),
-                       ("swiglu", "silu(a) * b"), ("rope", "RoPE of q and k in one launch"),
-                       (LOSS, "output projection + cross entropy in chunks of tokens")):
-        register_kernel(KernelSpec(f"{_op}.{_impl}", _op, f"{_what} ({_impl})", devices=_devices, packages=_packages,
-                                   reference=None if _impl == "reference" else f"{_op}.reference"), replace=True)
-
 
 @dataclass
 class FuseKernels(Pass):
@@ -79,8 +68,7 @@ class FuseKernels(Pass):
         family = program.family
         if family is None:
             program.facts  # raises the "no family knows this model" error
-        wanted = {"rms_norm": self.rms_norm is not False, "rms_norm_residual": self.rms_norm is not False,
-                  "swiglu": self.swiglu is not False, "rope": self.rope is not False}
+        wanted = {op.name: getattr(self, op.switch) is not False for op in FUSED_OPS.values() if op.in_blocks}
         sites = SITES[family.name](program.model) if family.name in SITES else {}
         if family.name not in SITES and any(wanted.values()):
             program.note(f"FuseKernels: the {family.name} family declares no fusion sites (dtmega.passes."
@@ -88,7 +76,7 @@ class FuseKernels(Pass):
         count = 0
         for op, fqns in sites.items():
             supported = family.name in BLOCK_RESIDUALS if op == "rms_norm_residual" else (family.name, op) in FORWARDS
-            if not wanted[op] or not supported:
+            if not wanted.get(op) or not supported:
                 continue
             for fqn in fqns:
                 entry = program.layout[fqn]
@@ -113,8 +101,7 @@ class FuseKernels(Pass):
         stays. Eagerly, and on the CPU (references), every kernel runs."""
         if self._impl(program) != "triton" or program.result(Compilation) is None:
             return
-        auto = {op for op, flag in (("rms_norm", self.rms_norm), ("rms_norm_residual", self.rms_norm),
-                                    ("swiglu", self.swiglu), ("rope", self.rope)) if flag is None}
+        auto = {op.name for op in FUSED_OPS.values() if op.in_blocks and getattr(self, op.switch) is None}
         returned = 0
         for entry in program.layout.modules.values():
             if entry.kernel and entry.kernel.rpartition(".")[0] in auto:

@@ -12,6 +12,7 @@ from dtmega.cost.hardware import Hardware
 from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.fuse_kernels import FusedLoss
+from dtmega.passes.fused_ops import fused_op_of
 from dtmega.passes.program import Program
 from dtmega.passes.results import (
     Compilation,
@@ -84,7 +85,7 @@ def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanSha
         cp_method=context.method if context else "ring", dp=dp, dp_mode=mode,
         dp_shard=shard if mode == "hsdp" else dp, ep=experts.size if experts else 1,
         micro_batch=workload.micro_batch if workload else 1, microbatches=microbatches, recompute=recompute,
-        fused_kernels=any(entry.kernel and entry.kernel.startswith(("rms_norm", "swiglu")) for entry in entries),
+        fused_kernels=any((op := fused_op_of(entry.kernel)) is not None and op.saves_activations for entry in entries),
         fused_loss=program.result(FusedLoss) is not None, compiled=program.result(Compilation) is not None,
         cpu_optimizer=precision is not None and precision.offload == "cpu", dtype=dtype,
         fused_optimizer=hardware.fused_optimizer if hardware else getattr(program.mesh, "device_type", "cpu") == "cuda",

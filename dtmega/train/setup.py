@@ -27,6 +27,7 @@ from dtmega.passes import (
     SequenceParallel,
     TensorParallel,
 )
+from dtmega.passes.fused_ops import FUSED_OPS
 from dtmega.train.args import ArgumentError, MoEArgs, PipelineArgs, TrainArgs
 from dtmega.train.not_built import refuse_not_built
 
@@ -256,9 +257,8 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
                             "--pipeline-model-parallel-size > 1")
     # None: FuseKernels decides (fused, except inside blocks compiled on a GPU, where inductor's
     # fusion measured faster); False: off.
-    fusions = dict(rms_norm=False if args.no_rms_norm_fusion else None,
-                   swiglu=False if args.no_bias_swiglu_fusion else None,
-                   rope=False if args.no_rope_fusion else None, cross_entropy=args.cross_entropy_loss_fusion)
+    fusions = {op.switch: bool(getattr(args, op.flag)) if op.flag_turns_on else (False if getattr(args, op.flag) else None)
+               for op in FUSED_OPS.values() if op.flag}
     if any(value is not False for value in fusions.values()):
         passes.append(FuseKernels(**fusions))
     float8 = float8_pass(args)

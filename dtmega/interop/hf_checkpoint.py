@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from dtmega.checkpoint_reader import DataOnlyLoadPlanner
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
 from dtmega.interop.hf_reader import HFSafetensorsReader
 from dtmega.models.llama import Llama
@@ -137,7 +138,7 @@ class HFCheckpoint:
         # a sub-mesh of a larger job) and a rank never waits for another.
         with warnings.catch_warnings():  # DCP's "assuming single process" note
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=DataOnlyLoadPlanner(), no_dist=True)
         set_model_state_dict(module, state, options=StateDictOptions(strict=True))
 
 
@@ -149,7 +150,16 @@ def _index(path: Path) -> dict[str, Path]:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as error:
             raise HFFormatError(f"{index_file} is not a safetensors index (no weight_map: {error})") from None
+        outside = sorted({str(file) for file in weight_map.values()
+                          if not isinstance(file, str) or "/" in file or "\\" in file or file in ("", ".", "..")})
+        if outside:
+            raise HFFormatError(f"{index_file} names shards outside {path}: {', '.join(outside[:3])}. Refused unread: "
+                                "an index names files of its own directory. Fix: the index that belongs to these shards")
         files = {name: path / file for name, file in weight_map.items()}
+        odd = sorted({file.name for file in files.values() if file.exists() and not file.is_file()})
+        if odd:  # a FIFO or a device named as a shard would block or never end
+            raise HFFormatError(f"{index_file} names {', '.join(odd)}, which is not a regular file. "
+                                "Fix: copy or download every shard the index lists")
         absent = sorted({file.name for file in files.values() if not file.exists()})
         if absent:
             raise HFFormatError(f"{index_file} names shards that are not in {path}: {', '.join(absent)}. "

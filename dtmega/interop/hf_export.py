@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+from dtmega.checkpoint_reader import load_dcp, read_dcp_metadata
 from dtmega.data.tokenizers import (
     BPE_EOD,
     ByteTokenizer,
@@ -41,7 +41,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 
 def _model_sizes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """dtmega tensor name -> shape, from the DCP metadata (the model's keys only)."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(checkpoint).state_dict_metadata
     return {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")}
 
@@ -99,7 +99,7 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
         full = {"model": {name: torch.empty(sizes[name], dtype=torch.float32) for name in names}}
         with warnings.catch_warnings():  # one process on purpose: DCP's "assuming single process" note
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(full, checkpoint_id=str(checkpoint), no_dist=True)
+            load_dcp(full, checkpoint, no_dist=True)
         tensors = {}
         for name in names:
             for hf_name, tensor in hf_tensors(name, full["model"][name], config).items():

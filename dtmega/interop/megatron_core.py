@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dtmega.checkpoint_reader import load_dcp, read_dcp_metadata
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import LlamaConfig, RopeScaling
 from dtmega.models.llama.hf_names import hf_rows_to_dtmega
@@ -69,7 +69,7 @@ class MegatronCheckpoint:
             raise MegatronFormatError(
                 f"{self.path} has no .metadata: not a Megatron-Core torch_dist checkpoint (an iter_* directory "
                 "written with --ckpt-format torch_dist). Fix: the iter_* directory itself")
-        metadata = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        metadata = read_dcp_metadata(self.path).state_dict_metadata
         self.tensors = {key: meta for key, meta in metadata.items() if isinstance(meta, TensorStorageMetadata)}
         if any(".experts." in key or ".router." in key for key in self.tensors):
             raise MegatronFormatError(f"{self.path} holds a mixture-of-experts model; dtmega converts Megatron-Core "
@@ -91,7 +91,7 @@ class MegatronCheckpoint:
         state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+            load_dcp(state, self.path, no_dist=True)
         return state[key]
 
     def layer_key(self, name: str, index: int) -> tuple[str, int | None]:

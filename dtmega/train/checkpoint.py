@@ -10,7 +10,9 @@ Layout of `--save DIR`:
 A save writes everything into the `.partial` directory, renames it to `iter_*` only when every
 rank has finished, and then points `latest` at it. A process killed mid-save leaves `latest`
 on the previous checkpoint. Loading verifies the manifest (checkpoint_manifest.py); `--load DIR`
-falls back from a damaged checkpoint to the newest intact one, loudly.
+falls back from a damaged checkpoint to the newest intact one, loudly. Everything is read as data
+(dtmega/checkpoint_reader.py, `weights_only` RNG states), and `latest` never names a directory
+outside DIR.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dtmega.checkpoint_reader import load_dcp, read_dcp_metadata
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import gather_objects
 from dtmega.train.checkpoint_manifest import (
@@ -112,6 +116,41 @@ def save_checkpoint(
     return final
 
 
+_ITERATION = re.compile(r"iter_\d{7,}")
+
+
+def _inside(root: Path, target: Path) -> bool:
+    return target.resolve().parent == root.resolve()
+
+
+def latest_target(root: Path) -> tuple[Path | None, str | None]:
+    """The checkpoint `root/latest` names, or (None, why) when the file is damaged (empty, not
+    text, not an iter_* name): the caller falls back or says so. A name that leads out of
+    `root` (a path, `..`, a symlink elsewhere) is refused outright: a checkpoint file never
+    decides which directory is read."""
+    file = root / LATEST
+    try:
+        name = file.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{file} is damaged (not text)"
+    if not name:
+        return None, f"{file} is empty"
+    target = root / name
+    if "/" in name or "\\" in name or name.startswith("..") or (target.is_symlink() and not _inside(root, target)):
+        raise CheckpointError(
+            f"{file} names {name!r}, which leads out of {root}: refused (another directory's checkpoint is never "
+            f"loaded through it). Fix: write the name of one of {root}'s iter_* checkpoints into it, or pass the "
+            "other checkpoint to --load yourself")
+    if not _ITERATION.fullmatch(name):
+        return None, f"{file} is damaged (it holds {name[:40]!r}, not an iter_* name)"
+    return target, None
+
+
+def iterations(root: Path) -> list[Path]:
+    """The iter_* checkpoint directories of `root` (symlinks out of it are not among them)."""
+    return [p for p in root.glob("iter_*") if _ITERATION.fullmatch(p.name) and p.is_dir() and _inside(root, p)]
+
+
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds a checkpoint `resolve_checkpoint` would look for: a `latest` file
     (a --save directory) or an iter_* checkpoint itself. A save interrupted before its first
@@ -126,7 +165,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     _check_exists(path)
     if (path / LATEST).exists():
-        target = path / (path / LATEST).read_text().strip()
+        target, damaged = latest_target(path)
+        if target is None:
+            raise CheckpointError(f"{damaged}. Fix: write the name of one of its iter_* checkpoints into it, or delete "
+                                  "it (a --load of the directory then resumes from the newest intact checkpoint)")
         if not (target / STATE).exists():
             raise CheckpointError(f"{path / LATEST} names {target.name}, which is missing or incomplete")
         return target
@@ -171,18 +213,22 @@ def select_checkpoint(path: str | Path, contents: bool = True, group=None) -> tu
                 "checkpoint"
             )
         return path, []
-    latest = path / (path / LATEST).read_text().strip()
-    older = sorted((p for p in path.glob("iter_*") if p.is_dir() and p.name != latest.name), reverse=True)
+    latest, damaged = latest_target(path)
+    older = sorted((p for p in iterations(path) if latest is None or p.name != latest.name), reverse=True)
     rejected: list[Verdict] = []
-    for candidate in [latest, *older]:
+    for candidate in [latest, *older] if latest is not None else older:
         verdict = verify_checkpoint(candidate, contents, group)
         if verdict.intact:
             notes = [f"CHECKPOINT {bad.checkpoint.name} IS DAMAGED: {_first_problems(bad)}; skipped" for bad in rejected]
-            if rejected:
+            if damaged:
+                notes.insert(0, f"{damaged}: skipped")
+            if rejected or damaged:
                 notes.append(f"falling back to {candidate.name}, the newest intact checkpoint in {path}: the steps after "
                              "it are trained again")
             return candidate, notes
         rejected.append(verdict)
+    if damaged:
+        rejected.insert(0, Verdict(path / LATEST, [damaged], ""))
     lines = "\n".join(f"  {bad.checkpoint.name}: {_first_problems(bad)}" for bad in rejected)
     raise CheckpointError(f"--load {path}: no intact checkpoint there:\n{lines}\n"
                           "Fix: restore the damaged files from a copy, or start without --load")
@@ -199,7 +245,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeline_group=None) -> None:
     saved = {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items()
+        for key, meta in read_dcp_metadata(checkpoint).state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
     current = {key: tuple(value.shape) for key, value in model_state.items()}
@@ -239,11 +285,11 @@ def load_runtime_state(path: str | Path, template: dict[str, torch.Tensor]) -> d
     """The saved run-time state of the keys in `template` that the checkpoint holds (a
     checkpoint written without FP8 holds none of FP8's: those start fresh)."""
     checkpoint = resolve_checkpoint(path)
-    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    saved = set(read_dcp_metadata(checkpoint).state_dict_metadata)
     present = {key: value.clone() for key, value in template.items() if f"runtime.{key}" in saved}
     if present:
         shards = {"runtime": present}
-        dcp.load(shards, checkpoint_id=str(checkpoint))
+        load_dcp(shards, checkpoint)
         present = shards["runtime"]
     return present
 
@@ -261,7 +307,7 @@ def load_checkpoint(
     _check_shapes(checkpoint, shards["model"], pipeline_group)
     if optimizer is not None:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
-    dcp.load(shards, checkpoint_id=str(checkpoint))
+    load_dcp(shards, checkpoint)
     set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=True))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, shards["optimizer"], options=OPTIMIZER_OPTIONS)

@@ -4,7 +4,8 @@
 (zlib's, 3.6 GiB/s on one core of a 2-core AVX2 CPU, against 1.5 for SHA-256 and 0.7 for
 BLAKE2b) catches what happens to checkpoints in practice: a truncated or deleted shard, flipped
 bits, a half-copied directory. It is not a defence against someone forging a file on purpose;
-that is what `weights_only` loading is for (nothing in a checkpoint is unpickled as code).
+that is what data-only loading is for (dtmega/checkpoint_reader.py: nothing in a checkpoint is
+unpickled as code) and what confining every name the manifest lists to the checkpoint is for.
 
 Costs are spread over the ranks: at save each rank hashes the shards it wrote itself (just
 written, so usually read back from the page cache) and rank 0 writes the manifest; at load the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from dtmega.mesh import gather_objects
 MANIFEST = "manifest.json"
 ALGORITHM = "crc32"
 _CHUNK = 8 << 20
+_PLAIN_NAME = re.compile(r"^[^/\\\x00]+$")  # a file name, never a path
 
 
 def file_checksum(path: Path) -> tuple[int, str]:
@@ -142,8 +145,14 @@ def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Ve
     problems: list[str] = []
     for name, entry in files.items():
         path = checkpoint / name
-        if not path.exists():
+        if not _PLAIN_NAME.match(name) or name in (".", ".."):
+            problems.append(f"{checkpoint / MANIFEST} names {name!r}, which is not a file inside {checkpoint} "
+                            "(refused unread)")
+        elif not os.path.lexists(path):
             problems.append(f"{path} is missing")
+        elif not stat.S_ISREG(os.lstat(path).st_mode):
+            problems.append(f"{path} is a symlink or not a regular file (refused unread: a checkpoint's files are "
+                            "its own)")
         elif path.stat().st_size != entry["size"]:
             problems.append(f"{path} has {path.stat().st_size} bytes, but the manifest says {entry['size']} "
                             "(truncated or replaced)")

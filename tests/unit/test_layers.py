@@ -107,3 +107,23 @@ def test_the_checks_find_what_they_look_for():
     assert "dtmega.kernels.registry" in edges["dtmega.passes.manager"]
     planted = {**edges, "dtmega.kernels.registry": edges["dtmega.kernels.registry"] | {"dtmega.passes.manager"}}
     assert ["dtmega.kernels.registry", "dtmega.passes.manager"] in cycles(planted)
+
+
+def test_nothing_read_from_disk_is_unpickled_as_code():
+    """A checkpoint is data (issue 31): DCP is read through dtmega/checkpoint_reader.py only
+    (its restricted metadata unpickler and weights_only bytes), every `torch.load` says
+    `weights_only=True`, and no module calls `pickle.load(s)`. A new reader elsewhere fails here."""
+    offenders = []
+    for name, path in modules().items():
+        if name == "dtmega.checkpoint_reader":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            call = ast.unparse(node.func)
+            keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            if call in ("pickle.load", "pickle.loads", "FileSystemReader", "dcp.FileSystemReader") or (
+                    call == "torch.load" and keywords.get("weights_only") != "True") or (
+                    call == "dcp.load" and "DataOnlyLoadPlanner" not in keywords.get("planner", "")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not offenders, "reads that could unpickle code:\n" + "\n".join(offenders)

@@ -72,3 +72,25 @@ def test_a_directory_that_is_not_torch_dist_is_refused(tmp_path):
 
     with pytest.raises(MegatronFormatError, match="has no .metadata: not a Megatron-Core torch_dist checkpoint"):
         MegatronCheckpoint(tmp_path)
+
+
+def test_a_megatron_checkpoint_is_read_as_data(megatron_checkpoint, tmp_path, capsys):
+    """A payload in its `.metadata` is refused with the file named, unrun; one in `common.pt`
+    (megatron-core's pickled run arguments, which dtmega never needs) is never read."""
+    import pickle
+    import shutil
+
+    from tests.unit.test_checkpoint_is_data import Payload, payload_bytes
+
+    copy = tmp_path / "iter_0000001"
+    shutil.copytree(megatron_checkpoint / "iter_0000001", copy)
+    marker = tmp_path / "payload-ran"
+    (copy / "common.pt").write_bytes(payload_bytes(marker))
+    argv = ["convert", "megatron-to-dtmega", "--load", str(copy), *FLAGS]
+    assert dtmega_main([*argv, "--save", str(tmp_path / "a")]) == 0
+    (copy / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    capsys.readouterr()
+    assert dtmega_main([*argv, "--save", str(tmp_path / "b")]) == 2
+    error = capsys.readouterr().err
+    assert f"{copy / '.metadata'}: its pickle asks for posix.mkdir" in error and "Fix:" in error, error
+    assert not marker.exists() and not (tmp_path / "b").exists()

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf_in.add_argument("--hf-dir", required=True, help="config.json, *.safetensors (+ index), tokenizer files")
     hf_in.add_argument("--save", required=True, help="dtmega checkpoint directory to write (iter_0000000)")
     hf_in.add_argument("--tokenizer-model", help="another tokenizer (tokenizer.json, tokenizer.model or a directory)")
+    add_overwrite_argument(hf_in)
     hf_out = kinds.add_parser("dtmega-to-hf", help="a dtmega checkpoint -> a Hugging Face model directory")
     hf_out.add_argument("--load", required=True, help="checkpoint (a --save directory or an iter_* directory)")
     hf_out.add_argument("--hf-dir", required=True, help="new directory to write (refused if it holds files)")
@@ -48,17 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     from dtmega.interop.megatron_cli import add_megatron_arguments
 
     add_megatron_arguments(mcore)
+    add_overwrite_argument(mcore)
     return parser
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    """--overwrite-checkpoints, as `dtmega train` has it (save_ownership.py)."""
+    parser.add_argument("--overwrite-checkpoints", action="store_true",
+                        help="write into a --save that already holds checkpoints (its latest then names the "
+                             "converted iter_0000000); without it such a --save is refused")
 
 
 def main(argv: list[str]) -> str:
     """Runs one conversion; prints and returns where it wrote."""
     a = build_parser().parse_args(argv)
+    if a.kind in ("hf-to-dtmega", "megatron-to-dtmega"):  # before reading anything: whose --save is it?
+        from dtmega.train.save_ownership import check_save_ownership
+
+        for note in check_save_ownership(a.save, None, None, a.overwrite_checkpoints, f"dtmega convert {a.kind}"):
+            console().print(f"[dim]note: {note}[/dim]")
     if a.kind == "hf-to-dtmega":
         from dtmega.interop.hf_import import import_hf
 
         with progress_bar(f"convert {a.hf_dir}", total=4, unit="phases", phased=True) as bar:
-            written = import_hf(a.hf_dir, a.save, tokenizer_model=a.tokenizer_model, on_phase=bar.phase)
+            written = import_hf(a.hf_dir, a.save, tokenizer_model=a.tokenizer_model, on_phase=bar.phase,
+                                allow_older=a.overwrite_checkpoints)
     elif a.kind == "dtmega-to-hf":
         from dtmega.interop.hf_export import export_hf
 

@@ -47,7 +47,7 @@ def files_kept_by_a_run(kept: dict[str, str], same_tokenizer: bool) -> dict[str,
 
 
 def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | None = None,
-              on_phase: Callable[[str], None] | None = None) -> Path:
+              on_phase: Callable[[str], None] | None = None, allow_older: bool = False) -> Path:
     """Writes the HF model `hf_dir` as a dtmega checkpoint `save/iter_0000000` (weights,
     tokenizer, config; no optimizer state) and returns its path. One process holds the whole
     model; under torchrun the ranks shard it (FSDP over the world) and each writes its part."""
@@ -56,6 +56,7 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     from dtmega.models.llama import Llama
     from dtmega.passes import DataParallel, Plan
     from dtmega.train.checkpoint import save_checkpoint
+    from dtmega.train.save_ownership import new_run_id
 
     on_phase = on_phase or (lambda name: None)
     on_phase("checking the Hugging Face files")
@@ -72,5 +73,6 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     on_phase("reading the weights")
     checkpoint.load_into(pm.module)
     on_phase("writing the checkpoint")
-    state = {**hf_state(checkpoint), "world_size": world}
-    return save_checkpoint(save, 0, pm.module, None, state, tokenizer_json=checkpoint.tokenizer.to_json())
+    state = {**hf_state(checkpoint), "world_size": world, "run_id": new_run_id()}
+    return save_checkpoint(save, 0, pm.module, None, state, tokenizer_json=checkpoint.tokenizer.to_json(),
+                           allow_older=allow_older)

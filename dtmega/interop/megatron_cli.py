@@ -43,6 +43,7 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     from dtmega.models.llama import Llama
     from dtmega.models.llama.specs import llama_config_to_dict
     from dtmega.train.checkpoint import save_checkpoint
+    from dtmega.train.save_ownership import new_run_id
 
     checkpoint = MegatronCheckpoint(a.load)
     arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
@@ -65,5 +66,6 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "llama",
              "model_config": llama_config_to_dict(config),
              "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
-             "source": {"megatron_core": str(checkpoint.path.resolve())}}
-    return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json())
+             "source": {"megatron_core": str(checkpoint.path.resolve())}, "run_id": new_run_id()}
+    return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json(),
+                           allow_older=getattr(a, "overwrite_checkpoints", False))

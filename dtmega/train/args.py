@@ -290,6 +290,9 @@ class CheckpointArgs:
                                "weights, with a fresh optimizer and iteration count (Megatron's --finetune); a "
                                "checkpoint in --load takes precedence, so a restarted run resumes")
     save_hf: str | None = _opt(None, "also write the final checkpoint as a Hugging Face model directory (needs --save)")
+    overwrite_checkpoints: bool = _opt(False, "write into a --save that holds checkpoints this run does not resume "
+                                              "(another run's, or ones further along than --load): start over there "
+                                              "on purpose; without it such a --save is refused")
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")

@@ -78,13 +78,21 @@ def _write_atomic(path: Path, text: str) -> None:
 def save_checkpoint(
     root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any], tokenizer_json: str | None = None, runtime: dict[str, torch.Tensor] | None = None,
+    allow_older: bool = False,
 ) -> Path:
     """Saves model, optimizer, RNG, the plan's run-time state (`runtime`: FP8 amax histories,
     ...) and `state` (iteration, data position, config, ...) as `root/iter_<iteration>`;
-    collective over every rank."""
+    collective over every rank. `latest` never moves back to an older step unless
+    `allow_older` (--overwrite-checkpoints): checked on every rank before anything is written."""
     root = Path(root)
     final = root / f"iter_{iteration:07d}"
     partial = root / f".{final.name}.partial"
+    if not allow_older and (root / LATEST).exists():
+        newest, _ = latest_target(root)
+        if newest is not None and int(newest.name.removeprefix("iter_")) > iteration:
+            raise CheckpointError(
+                f"saving step {iteration} into {root} would move its latest back from {newest.name}. Fix: resume "
+                f"with --load {root}, save elsewhere, or pass --overwrite-checkpoints to do so on purpose")
     if _leader():
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
@@ -105,7 +113,9 @@ def save_checkpoint(
     _barrier()
     write_manifest(partial, [".metadata", STATE, TOKENIZER])
     if _leader():
-        if final.exists():  # saving the same iteration again: swap the old one out first
+        if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
+            final.unlink()
+        elif final.exists():  # saving the same iteration again: swap the old one out first
             stale = root / f".{final.name}.stale"
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)

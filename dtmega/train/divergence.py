@@ -11,6 +11,14 @@ Why 10 by default: a diverged model stays non-finite on every batch, so ten in a
 steps of compute; a transient fault (one corrupt batch, one flipped bit) is one or two steps,
 and ten consecutive bad batches are a data problem worth stopping for as well.
 
+A run can also die without a NaN: weights so large that every logit saturates (`--init-method-std
+1e30`) give a finite loss of exactly ln(vocabulary) and a gradient norm of exactly 0 at every step;
+before, such a run saved ten checkpoints of a dead model and exited 0. A step whose gradient norm
+is 0, or whose loss equals ln(vocabulary) to 1e-5 (uniform predictions: an untrained model's
+loss differs from it by far more from batch to batch), is *dead*; `--max-skipped-steps` dead
+steps in a row stop the run the same way, and no checkpoint is written while such a streak is
+under way, so the message never recommends a checkpoint of a dead model.
+
 fp16's dynamic loss scaling skips steps whose *gradients* overflow as a matter of course (the
 scale is searching downwards); those are not counted, only a non-finite loss is.
 
@@ -41,7 +49,9 @@ class StepHealth:
     loss_only: bool = False  # fp16: gradient overflows are loss scaling's, only the loss counts
     console: object = None
     last_checkpoint: str | None = None
+    ln_vocab: float | None = None  # ln of the model's (padded) vocabulary: the loss of uniform predictions
     streak: list[int] = field(default_factory=list)
+    dead: list[int] = field(default_factory=list)
     skipped: int = 0
     _pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -58,6 +68,8 @@ class StepHealth:
         """At the end of the run: a run that ends inside a streak did not train to the end
         (its last checkpoint was not written) and stops as diverged too."""
         self.settle()
+        if self.dead:
+            raise TrainingDiverged(self._dead_message("training ended"))
         if self.streak:
             raise TrainingDiverged(
                 f"training ended in {len(self.streak)} non-finite steps in a row (steps {self.streak[0]}-"
@@ -72,7 +84,7 @@ class StepHealth:
     def may_save(self) -> bool:
         """Whether a checkpoint may be written now: not while a streak is under way."""
         self.settle()
-        return not self.streak
+        return not self.streak and not self.dead
 
     def _settle(self, keep: int) -> None:
         while len(self._pending) > keep:
@@ -81,6 +93,7 @@ class StepHealth:
             finite = loss_finite if self.loss_only else loss_finite and bool(torch.isfinite(norm))
             if finite:
                 self.streak.clear()
+                self._check_alive(step, float(loss), float(norm))
                 continue
             self.skipped += 1
             self.streak.append(step)
@@ -96,3 +109,25 @@ class StepHealth:
                     "the last checkpoint with a lower --lr (or more --lr-warmup-iters, or --clip-grad), and check "
                     "the data at those steps"
                 )
+
+    def _check_alive(self, step: int, loss: float, norm: float) -> None:
+        at_uniform = self.ln_vocab is not None and abs(loss - self.ln_vocab) <= 1e-5 * self.ln_vocab
+        if norm != 0.0 and not at_uniform:
+            self.dead.clear()
+            return
+        self.dead.append(step)
+        if self.console is not None and len(self.dead) == 1:
+            self.console.print(f"[bold yellow]step {step}: loss {loss:.6g}, gradient norm {norm:.4g}: the model is not "
+                               f"learning (no checkpoint until this ends; the run stops after {self.max_streak} such "
+                               "steps in a row)[/bold yellow]")
+        if len(self.dead) >= self.max_streak:
+            raise TrainingDiverged(self._dead_message("training is dead"))
+
+    def _dead_message(self, what: str) -> str:
+        why = "a gradient norm of exactly 0"
+        if self.ln_vocab is not None:
+            why = f"a loss of ln(vocabulary) = {self.ln_vocab:.4f} (the loss of uniform predictions), or {why}"
+        then = "resume from that checkpoint" if self.last_checkpoint else "start again"
+        return (f"{what}: steps {self.dead[0]}-{self.dead[-1]} ({len(self.dead)} in a row) had {why}: the model does "
+                f"not learn; {self._last()}. Fix: check --init-method-std (Megatron's default is 0.02), --lr and the "
+                f"data, then {then}")

@@ -25,6 +25,7 @@ from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
+from dtmega.train.save_ownership import check_save_ownership
 from dtmega.train.setup import (
     RunShape,
     build_plan,
@@ -142,9 +143,20 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     notes += plan_notes(args, shape)
     parameters = check_before_launch(spec, config, shape, plan, args)
     if args.save:
+        notes += save_ownership_notes(args)
         warning = check_save_dir(args.save, parameters, create=args.dry_run is None)
         notes += [warning] if warning else []
     return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, args, notes)
+
+
+def save_ownership_notes(args: TrainArgs) -> list[str]:
+    """`--save` checked against the checkpoints it holds (save_ownership.py): a run never
+    clobbers another's, nor moves `latest` back, unless --overwrite-checkpoints says so."""
+    loaded, state = None, None
+    if args.load:
+        loaded = select_checkpoint(args.load, contents=False)[0]
+        state = read_state(loaded)
+    return check_save_ownership(args.save, loaded, state, args.overwrite_checkpoints, load_arg=args.load)
 
 
 def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> int:

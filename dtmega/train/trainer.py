@@ -42,6 +42,8 @@ from dtmega.train.metrics import (
 )
 from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
 from dtmega.train.prepare import dry_run, prepare_run
+from dtmega.train.save_lock import lock_save_dir
+from dtmega.train.save_ownership import new_run_id
 from dtmega.train.schedule import LRSchedule
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
 from dtmega.train.straggler import StragglerLog
@@ -85,6 +87,16 @@ class Trainer:
     """Holds the run's pieces; `run()` trains, evaluates, logs and checkpoints."""
 
     def __init__(self, args: TrainArgs, notes: list[str], mesh=None):
+        self.save_lock = None
+        try:
+            self._set_up(args, notes, mesh)
+        except BaseException:  # a set-up that fails frees the --save lock it took (a later run may take it)
+            if self.save_lock is not None:
+                self.save_lock.release()
+            raise
+
+    def _set_up(self, args: TrainArgs, notes: list[str], mesh=None) -> None:
+        """Everything `run()` needs: checks, process group, model, plan, checkpoint, data."""
         self.device_type = default_device_type()
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
@@ -114,6 +126,10 @@ class Trainer:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
         self.progress = RankMarks(self.mesh, args.distributed_timeout_minutes)
+        if args.save:  # one job per --save directory (save_lock.py), before any weight is built or read
+            self.save_lock, lock_note = lock_save_dir(args.save)
+            if lock_note:
+                self.console.print(f"[dim]note: {lock_note}[/dim]")
         model = run.build_model(args.seed)
         self.num_params = count_parameters(model)
         if self.spec.materialize == "seeded" and self.device_type != "cpu":
@@ -135,15 +151,19 @@ class Trainer:
             self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, dynamic=not static,
                                      min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
         self.iteration, consumed, self.loaded = 0, 0, None
+        self.run_id = new_run_id()  # written into state.json by rank 0 (save_ownership.py)
+        self.resumed_behind_latest = False
         self.hf_files: dict[str, str] = {}  # a Hugging Face source's small files, for --save-hf and export
         if args.load:
             checkpoint, damaged = select_checkpoint(args.load)  # every file checked against its CRC-32
+            self.resumed_behind_latest = bool(damaged)  # fell back past a damaged latest: saving behind it is the fix
             for note in damaged:
                 self.console.print(f"[bold red]{note}[/bold red]")
             self.loaded = checkpoint
             state = load_checkpoint(checkpoint, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
             self.iteration, consumed = state["iteration"], state["consumed_samples"]
             self.hf_files = state.get("hf_files", {})  # a fine-tune resumed keeps its source's files
+            self.run_id = state.get("run_id") or self.run_id  # a resume continues the run it loads
             template = self.pm.runtime_state_dict()
             missing = self.pm.load_runtime_state_dict(load_runtime_state(checkpoint, template))
             if missing:
@@ -225,7 +245,7 @@ class Trainer:
 
     def _state(self) -> dict:
         return {
-            "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples,
+            "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples, "run_id": self.run_id,
             "world_size": self.shape.world, "model": self.spec.name, "model_config": self.spec.config_to_dict(self.config),
             "args": to_toml_dict(self.args), "plan": self.plan.to_toml(),
             # the end-of-document token the run used (a Hugging Face directory's eos_token), so
@@ -237,7 +257,8 @@ class Trainer:
 
     def save(self) -> Path:
         path = save_checkpoint(self.args.save, self.iteration, self.pm.module, self.optimizer, self._state(),
-                               tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict())
+                               tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict(),
+                               allow_older=self.args.overwrite_checkpoints or self.resumed_behind_latest)
         self.logger.event(f"saved checkpoint {path}")
         return path
 
@@ -289,6 +310,9 @@ class Trainer:
             if self.shape.world > 1 and looks_like_timeout(error):
                 raise self.progress.explain(error) from error
             raise
+        finally:
+            if self.save_lock is not None:
+                self.save_lock.release()
 
     def _run(self) -> TrainResult:
         args, shape = self.args, self.shape
@@ -309,7 +333,8 @@ class Trainer:
         health = None
         if not args.no_check_for_nan_in_loss_and_grad:
             health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
-                                last_checkpoint=str(self.loaded) if self.loaded else None)
+                                last_checkpoint=str(self.loaded) if self.loaded else None,
+                                ln_vocab=math.log(self.config.vocab_size))
         if self.iteration >= args.train_iters:
             self.console.print(
                 f"[bold yellow]nothing to train:[/bold yellow] the checkpoint is at step {self.iteration} and "
@@ -366,8 +391,9 @@ class Trainer:
                     if health is not None:
                         health.last_checkpoint = str(result.checkpoint)
                 else:
+                    bad, kind = (health.streak, "non-finite") if health.streak else (health.dead, "dead")
                     self.console.print(f"[bold yellow]not saving at step {self.iteration}:[/bold yellow] "
-                                       f"{len(health.streak)} non-finite steps in a row (since step {health.streak[0]})")
+                                       f"{len(bad)} {kind} steps in a row (since step {bad[0]})")
         if health is not None:
             health.finish()
         result.iteration = self.iteration

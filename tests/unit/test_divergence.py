@@ -102,3 +102,33 @@ def test_streak_bookkeeping():
         fp16.record(step, one, nan)  # gradient overflows: loss scaling's business
     fp16.settle()
     assert fp16.skipped == 0 and fp16.may_save()
+
+
+def test_a_dead_model_stops_like_a_diverged_one_without_a_checkpoint(corpus, tmp_path, capsys):
+    """`--init-method-std 1e30`: every logit saturates, the loss is ln(V) and the gradient norm 0
+    at every step; before, ten checkpoints of the dead model were saved and the run exited 0."""
+    save = tmp_path / "ckpt"
+    with pytest.raises(TrainingDiverged, match=r"training is dead: steps 1-3 \(3 in a row\) had a loss of ln\(vocabulary\)"
+                                               r" = [\d.]+ \(the loss of uniform predictions\), or a gradient norm of exactly 0"
+                                               r".*no checkpoint was saved"
+                                               r".*--init-method-std"):
+        train(tiny_args(corpus, max_skipped_steps=3, train_iters=20, save=str(save), save_interval=1,
+                        init_method_std=1e30))
+    assert "the model is not learning" in capsys.readouterr().out
+    assert not list(save.glob("iter_*"))
+
+
+def test_dead_step_bookkeeping():
+    """A zero gradient norm or a loss at ln(V) to 1e-5 is dead; an untrained model's loss a
+    little above ln(V) is not; a live step ends the streak."""
+    import math
+
+    ln_v = math.log(384)
+    health = StepHealth(max_streak=3, ln_vocab=ln_v)
+    for step, (loss, norm) in enumerate([(ln_v * (1 + 3e-3), 1.0), (ln_v, 0.5), (2.0, 0.0), (2.0, 1.0)], start=1):
+        health.record(step, torch.tensor(loss), torch.tensor(norm))
+    assert health.may_save() and health.dead == []  # steps 2-3 were dead; the live step 4 ended the streak
+    with pytest.raises(TrainingDiverged, match=r"steps 5-7 \(3 in a row\)"):
+        for step in (5, 6, 7):
+            health.record(step, torch.tensor(ln_v * (1 + 2e-6)), torch.tensor(0.7))
+            health.settle()

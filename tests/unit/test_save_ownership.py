@@ -1,0 +1,156 @@
+"""No run clobbers another's checkpoints, and `latest` never moves back by accident (issue 31,
+"Data safety"). Each refusal comes before any training, leaves every file of the directory as it
+was, and names `--overwrite-checkpoints`, which does it on purpose."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dtmega.cli import main as dtmega_main
+from dtmega.train.checkpoint import CheckpointError, resolve_checkpoint, save_checkpoint
+from dtmega.train.trainer import train
+from tests.train_helpers import prepare_corpus, tiny_args
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=120)
+
+
+def _run(corpus, save, iters=4, **flags):
+    flags.setdefault("save_interval", 2)
+    return train(tiny_args(corpus, train_iters=iters, save=str(save), eval_iters=1, **flags))
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `directory` with its size and modification time in ns."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def other_run(corpus, tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("other") / "ckpt"
+    _run(corpus, save)
+    return save
+
+
+def test_a_fresh_run_refuses_a_save_holding_another_runs_checkpoints(corpus, other_run, capsys):
+    before = snapshot(other_run)
+    with pytest.raises(CheckpointError, match=r"--save .* holds checkpoints of run \w+ \(latest iter_0000004, step 4\)"
+                                              r", and this run does not resume it .*--overwrite-checkpoints"):
+        _run(corpus, other_run, iters=2)
+    assert snapshot(other_run) == before
+    assert dtmega_main(["train", *tiny_args(corpus, train_iters=2, save=str(other_run))]) == 2
+    assert "Fix: pass --load" in capsys.readouterr().err
+    assert snapshot(other_run) == before
+
+
+def test_overwrite_checkpoints_starts_over_and_says_so(corpus, other_run, tmp_path, capsys):
+    import shutil
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(other_run, save)
+    first_id = json.loads((save / "iter_0000004" / "state.json").read_text())["run_id"]
+    _run(corpus, save, iters=2, overwrite_checkpoints=True)
+    assert "--overwrite-checkpoints: " in capsys.readouterr().out
+    assert resolve_checkpoint(save).name == "iter_0000002"
+    assert json.loads((save / "iter_0000002" / "state.json").read_text())["run_id"] != first_id
+
+
+def test_a_resume_keeps_its_run_and_may_not_move_latest_back(corpus, other_run, tmp_path):
+    import shutil
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(other_run, save)
+    run_id = json.loads((save / "iter_0000004" / "state.json").read_text())["run_id"]
+    before = snapshot(save)
+    with pytest.raises(CheckpointError, match=r"its latest is iter_0000004 \(step 4\), but this run starts at step 2 .*"
+                                              r"move latest back"):
+        _run(corpus, save, iters=6, load=str(save / "iter_0000002"))
+    assert snapshot(save) == before
+    _run(corpus, save, iters=6, load=str(save))  # the restartable launch: --load = --save
+    assert resolve_checkpoint(save).name == "iter_0000006"
+    assert json.loads((save / "iter_0000006" / "state.json").read_text())["run_id"] == run_id
+
+
+def test_a_resume_refuses_a_save_of_another_run(corpus, other_run, tmp_path):
+    mine = tmp_path / "mine"
+    _run(corpus, mine, iters=2)
+    before = snapshot(other_run)
+    with pytest.raises(CheckpointError, match=r"holds checkpoints of run .* but this run resumes .*mix two runs"):
+        _run(corpus, other_run, iters=6, load=str(mine))
+    assert snapshot(other_run) == before
+
+
+def test_save_checkpoint_itself_never_moves_latest_back(other_run, tmp_path):
+    import torch
+
+    with pytest.raises(CheckpointError, match="would move its latest back from iter_0000004"):
+        save_checkpoint(other_run, 1, torch.nn.Linear(2, 2), None, {})
+
+
+def test_convert_obeys_the_same_rules(other_run, tmp_path, capsys):
+    from tests.hf_models import save_tiny_llama31
+
+    hf = save_tiny_llama31(tmp_path / "hf")
+    before = snapshot(other_run)
+    assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(hf), "--save", str(other_run)]) == 2
+    assert "dtmega convert hf-to-dtmega does not resume it" in capsys.readouterr().err
+    assert snapshot(other_run) == before
+    import shutil
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(other_run, save)
+    assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(hf), "--save", str(save),
+                        "--overwrite-checkpoints"]) == 0
+    assert resolve_checkpoint(save).name == "iter_0000000"
+
+
+def test_resaving_an_iteration_that_is_a_symlink_replaces_the_link_only(corpus, other_run, tmp_path):
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(other_run / "iter_0000002", elsewhere)
+    kept = snapshot(elsewhere)
+    save = tmp_path / "ckpt"
+    _run(corpus, save, iters=2, save_interval=1)
+    shutil.rmtree(save / "iter_0000002")
+    os.symlink(elsewhere, save / "iter_0000002")
+    (save / "latest").write_text("iter_0000001")
+    _run(corpus, save, iters=2, load=str(save), save_interval=1)
+    assert not (save / "iter_0000002").is_symlink() and resolve_checkpoint(save).name == "iter_0000002"
+    assert snapshot(elsewhere) == kept
+
+
+def test_a_second_job_on_the_same_save_is_refused_while_the_first_holds_it(corpus, tmp_path):
+    """The lock is an flock held by rank 0 of the running job (here: another process holding
+    it, as a running job does); it goes with its process, so a crashed job leaves none behind."""
+    import subprocess
+    import sys
+
+    from dtmega.train.save_lock import LOCK
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, json, os, sys, time; h = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(h, fcntl.LOCK_EX); os.write(h, json.dumps({'pid': os.getpid(), 'host': 'node7', "
+        "'since': 'now'}).encode()); print('locked', flush=True); time.sleep(600)"), str(save / LOCK)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"--save {save} is in use by another job \(pid {holder.pid} on "
+                                                  r"node7, since now\).*Fix: wait"):
+            _run(corpus, save, iters=2)
+        assert not any(save.glob("iter_*")) and not any(save.glob(".iter_*"))
+    finally:
+        holder.kill()
+        holder.wait()
+    _run(corpus, save, iters=2)  # the holder died (as a crashed job does): its lock went with it
+    _run(corpus, save, iters=4, load=str(save))  # and each run freed its own on the way out
+    assert resolve_checkpoint(save).name == "iter_0000004"

@@ -116,6 +116,16 @@ class HFCheckpoint:
         if wrong:
             raise HFFormatError(f"{self.path}: tensor shapes disagree with config.json:\n  " + "\n  ".join(wrong[:10])
                                 + "\nFix: the config.json that belongs to these weights")
+        used = {hf for source in sources.values() for hf in source.names}
+        tied = self.config.tie_embeddings or config.tie_embeddings
+        unused = sorted(name for name in names - used if not _harmless_extra(name, tied))
+        if unused:
+            more = f" (and {len(unused) - 6} more)" if len(unused) > 6 else ""
+            raise HFFormatError(
+                f"{self.path}: the shards hold {len(unused)} tensors the model config.json describes does not use: "
+                f"{', '.join(unused[:6])}{more}. A config that disagrees with its weights would load part of them "
+                "silently. Fix: the config.json that belongs to these weights (e.g. its num_hidden_layers, "
+                "num_local_experts or tie_word_embeddings)")
         return sources
 
     def load_into(self, module: torch.nn.Module, config: LlamaConfig | None = None) -> None:
@@ -140,6 +150,12 @@ class HFCheckpoint:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, planner=DataOnlyLoadPlanner(), no_dist=True)
         set_model_state_dict(module, state, options=StateDictOptions(strict=True))
+
+
+def _harmless_extra(name: str, tied: bool) -> bool:
+    """Tensors transformers itself ignores: RoPE's cached frequencies (older checkpoints saved
+    them) and a tied model's copy of the embedding as `lm_head.weight`."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied)
 
 
 def _index(path: Path) -> dict[str, Path]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
-from dtmega.data.indexed import IndexedDataset, read_stats
+from dtmega.data.indexed import IndexedDataset
+from dtmega.data.vocab_check import check_data_ids
 from dtmega.printing import console
 from dtmega.progress import progress_bar
 from dtmega.train.args import ArgumentError, TrainArgs
@@ -135,9 +136,7 @@ def main(argv: list[str]):
         return run_task(a, pm, tokenizer, state)
     seq_length = a.seq_length or state["args"]["seq_length"]
     for _, prefix in parse_data_path(a.data_path):
-        stats = read_stats(prefix)
-        if stats and stats["max_token_id"] >= pm.program.facts.vocab_size:
-            raise ArgumentError(f"{prefix} holds token id {stats['max_token_id']}, beyond the model's vocabulary")
+        check_data_ids(prefix, tokenizer.vocab_size, "the checkpoint")  # the tokenizer's ids, not the padded table
     run = state["args"]
     seed = a.seed if a.seed is not None else run.get("seed", 1234)
     split, global_batch, micro, run_iters = settings(a, run, dist.get_world_size())

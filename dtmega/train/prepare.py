@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from dtmega.data.blend import parse_data_path
-from dtmega.data.indexed import IndexedDataset, read_stats
+from dtmega.data.indexed import IndexedDataset
 from dtmega.data.tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
+from dtmega.data.vocab_check import check_data_ids
 from dtmega.models.registry import ModelSpec, model_spec
 from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
@@ -176,21 +177,12 @@ def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Pla
 
 def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
     """Fails if a dataset holds ids this run's tokenizer does not have (`vocab_size` is the
-    tokenizer's own size, not the model's padded one: ids in the padding would embed, train and
-    evaluate silently on data from another tokenizer); returns the (first) dataset's unigram
-    entropy when preprocessing recorded it."""
+    tokenizer's own size, not the model's padded one; data/vocab_check.py, with or without the
+    `.stats.json` sidecar); returns the (first) dataset's unigram entropy when recorded."""
     entropy = None
     for _, prefix in parse_data_path(list(args.data_path)):
-        stats = read_stats(prefix)
-        if stats is None:
-            continue
-        if stats["max_token_id"] >= vocab_size:
-            raise ArgumentError(
-                f"{prefix} holds token id {stats['max_token_id']}, but this run's tokenizer has {vocab_size} "
-                "ids: the data was tokenized with another, larger vocabulary. Fix: pass the tokenizer the data "
-                "was preprocessed with (--tokenizer-type/--tokenizer-model), or preprocess it again with this one"
-            )
-        entropy = stats["unigram_entropy_nats"] if entropy is None else entropy
+        found = check_data_ids(prefix, vocab_size)
+        entropy = found if entropy is None else entropy
     return entropy
 
 

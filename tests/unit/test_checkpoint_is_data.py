@@ -219,3 +219,18 @@ def test_hugging_face_checkpoints_are_read_from_safetensors_only(tmp_path, capsy
     assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(hf), "--save", str(tmp_path / "ckpt3")]) == 2
     assert "save the model with safetensors" in capsys.readouterr().err
     assert not marker.exists()
+
+
+def test_a_hugging_face_config_that_disagrees_with_its_weights_is_refused_with_the_names(tmp_path, capsys):
+    """config.json says 1 layer, the shards hold 2: before, a 1-layer model was built and layer
+    1's tensors ignored without a word."""
+    from tests.hf_models import save_tiny_llama31
+
+    hf = save_tiny_llama31(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (hf / "config.json").write_text(json.dumps(config))
+    assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(hf), "--save", str(tmp_path / "ckpt")]) == 2
+    error = capsys.readouterr().err
+    assert "the shards hold 9 tensors the model config.json describes does not use: model.layers.1." in error, error
+    assert "num_hidden_layers" in error and not (tmp_path / "ckpt").exists()

@@ -85,17 +85,33 @@ def test_data_tokenized_with_a_larger_vocabulary(tmp_path):
         train(tiny_args(result.outputs["text"]))
 
 
-def test_data_with_ids_in_the_vocabulary_padding_is_refused(tmp_path):
+@pytest.mark.parametrize("sidecar", [True, False], ids=["with_stats_json", "megatron_made_without_stats_json"])
+def test_data_with_ids_in_the_vocabulary_padding_is_refused(corpus, tmp_path, sidecar, capsys):
     """Ids 258..383 fit the byte tokenizer's padded vocabulary (384) but are no byte tokens:
-    data from another tokenizer would train silently. The check is against the tokenizer's 258."""
-    writer = IndexedDatasetWriter(tmp_path / "other_text_document", np.uint16)
+    data from another tokenizer would train (and evaluate) silently. One rule for train and
+    evaluate: the check is against the tokenizer's 258, from the `.stats.json` sidecar or, for
+    data without one (Megatron's preprocess writes none), from a scan cached beside the data."""
+    from dtmega.cli import main as dtmega_main
+    from dtmega.data.indexed import stats_path
+    from dtmega.data.vocab_check import DataVocabularyError
+
+    prefix = tmp_path / "other_text_document"
+    writer = IndexedDatasetWriter(prefix, np.uint16)
     rng = np.random.RandomState(0)
     for _ in range(100):
         writer.add_document([rng.randint(0, 352, size=64)])
     writer.finalize()
-    with pytest.raises(ArgumentError, match=r"holds token id 351, but this run's tokenizer has 258 ids.*Fix: pass the "
-                                            r"tokenizer the data was preprocessed with"):
-        train(tiny_args(str(tmp_path / "other_text_document")))
+    if not sidecar:
+        stats_path(prefix).unlink()
+    with pytest.raises(DataVocabularyError, match=r"holds token id 351, but this run's tokenizer has 258 ids.*Fix: pass "
+                                                  r"the tokenizer the data was preprocessed with"):
+        train(tiny_args(str(prefix)))
+    assert sidecar or list(Path(f"{prefix}.dtmega-index").glob("max-token-id-*.json"))  # scanned once, cached
+    checkpoint = tmp_path / "ckpt"
+    train(tiny_args(corpus, train_iters=1, save=str(checkpoint), eval_iters=1))
+    capsys.readouterr()
+    assert dtmega_main(["evaluate", "--load", str(checkpoint), "--data-path", str(prefix), "--eval-iters", "1"]) == 2
+    assert "holds token id 351, but the checkpoint's tokenizer has 258 ids" in capsys.readouterr().err
 
 
 def test_train_cli_errors_exit_2_with_the_reason(corpus):

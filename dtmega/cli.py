@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from rich.console import Console
@@ -92,6 +94,9 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
     from dtmega.joining import DistributedTimeout
     from dtmega.kernels.errors import DtmegaError
     status = 0
+    previous = None
+    if command != "serve" and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # serve finishes its requests on SIGTERM itself
     try:
         module.main(rest)
     # Every input error (PlanError, ArgumentError, CheckpointError, ...) is a DtmegaError whose
@@ -104,11 +109,29 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
             Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                        highlight=False)
         status = 2
+    except (KeyboardInterrupt, Stopped) as stop:  # Ctrl-C or SIGTERM: one line, not a traceback per rank
+        name, status = ("SIGTERM", 143) if isinstance(stop, Stopped) else ("SIGINT (Ctrl-C)", 130)
+        if os.environ.get("RANK", "0") == "0":
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]dtmega {command}:[/bold red] stopped by {name}. Checkpoints already complete are intact "
+                "(a save in progress is discarded, never half-read); resume with --load", highlight=False)
+        return status, _process_group_exists()  # peers may be mid-collective: the process ends without finalization
     except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
         Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                    highlight=False)
         return 3, True  # a peer is gone: the group is left as it is (the process ends without finalization)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return status, _shut_down_process_group()
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived (a scheduler's preemption, torchrun stopping its workers): unwinds like Ctrl-C."""
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise Stopped()
 
 
 def _process_group_exists() -> bool:

@@ -42,8 +42,9 @@ def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
     bad = [w for w, _ in pairs if not (w > 0 and np.isfinite(w))]
     if bad:
         raise DtmegaError(f"--data-path weights must be positive numbers, got {bad}")
-    total = sum(w for w, _ in pairs)
-    return [(w / total, prefix) for w, prefix in pairs]
+    largest = max(w for w, _ in pairs)  # scaled first: 1e308 + 1e308 overflows to inf
+    total = sum(w / largest for w, _ in pairs)
+    return [(w / largest / total, prefix) for w, prefix in pairs]
 
 
 def blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

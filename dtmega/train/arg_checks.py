@@ -84,6 +84,11 @@ def check_ranges(args: Any) -> None:
             if bad:
                 raise OptionValueError(f"{flag_of(name)} {value}: must be {words}. Fix: pass a value {words}"
                                        + (", or leave it out to derive it" if _derivable(args, name) else ""))
+    for name in [name for cls in sections for name in vars(cls).get("unit_interval", ())]:
+        value = getattr(args, name, None)
+        if value is not None and not 0 <= value < 1:
+            raise OptionValueError(f"{flag_of(name)} {value}: must be at least 0 and below 1. Fix: pass a value in "
+                                   f"[0, 1), e.g. {next(f for f in fields(args) if f.name == name).default}")
 
 
 def _derivable(args: Any, name: str) -> bool:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -211,6 +212,8 @@ class OptimizerArgs:
         "hysteresis")
     # strictly positive reals
     positive: ClassVar[tuple[str, ...]] = ("adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale")
+    # coefficients in [0, 1): a beta of 1 never forgets, above 1 it grows without bound
+    unit_interval: ClassVar[tuple[str, ...]] = ("adam_beta1", "adam_beta2")
 
     micro_batch_size: int | None = _opt(None, "sequences per rank per micro-batch (default 1, or from --microbatches)")
     global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
@@ -349,7 +352,12 @@ def _base_type(annotation: str) -> type:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, whose errors are one line with the closest known flags instead of the whole
-    usage (which lists some 150 flags)."""
+    usage (which lists some 150 flags), and which reads `-1e-3` as a number, as it reads
+    `-0.001` (argparse's own pattern has no exponent, so `--lr -1e-3` was "expected one argument")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str):  # type: ignore[override]
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -102,28 +103,75 @@ def save_checkpoint(
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
     if runtime:
         shards["runtime"] = dict(runtime)
-    dcp.save(shards, checkpoint_id=str(partial))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               partial / f"rng_rank{rank:05d}.pt")
-    if _leader():
-        (partial / STATE).write_text(json.dumps({"format": FORMAT, "manifest": MANIFEST, **state}, indent=2))
-        if tokenizer_json is not None:
-            (partial / TOKENIZER).write_text(tokenizer_json)
-    _barrier()
-    write_manifest(partial, [".metadata", STATE, TOKENIZER])
-    if _leader():
-        if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
-            final.unlink()
-        elif final.exists():  # saving the same iteration again: swap the old one out first
-            stale = root / f".{final.name}.stale"
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-            shutil.rmtree(stale)
-        os.replace(partial, final)
-        _write_atomic(root / LATEST, final.name)
-    _barrier()
+
+    def write_own_files() -> None:
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   partial / f"rng_rank{rank:05d}.pt")
+        if _leader():
+            (partial / STATE).write_text(json.dumps({"format": FORMAT, "manifest": MANIFEST, **state}, indent=2))
+            if tokenizer_json is not None:
+                (partial / TOKENIZER).write_text(tokenizer_json)
+
+    def publish() -> None:
+        if _leader():
+            if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
+                final.unlink()
+            elif final.exists():  # saving the same iteration again: swap the old one out first
+                stale = root / f".{final.name}.stale"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(final, stale)
+                shutil.rmtree(stale)
+            os.replace(partial, final)
+            _write_atomic(root / LATEST, final.name)
+
+    try:
+        dcp.save(shards, checkpoint_id=str(partial))
+        problem = None
+    except CheckpointException as wrapped:  # DCP gathers every writer's error: every rank is here
+        problem = _os_problem(wrapped)
+        if problem is None:
+            raise
+    if problem is None:
+        problem = _attempt(write_own_files, rank)
+    _fail_together(problem, root, partial, final)
+    _fail_together(_attempt(lambda: write_manifest(partial, [".metadata", STATE, TOKENIZER]), rank), root, partial, final)
+    _fail_together(_attempt(publish, rank), root, partial, final)
     return final
+
+
+def _attempt(step, rank: int) -> str | None:
+    """Runs this rank's part of a save; an OSError (a full disk, a vanished directory) becomes
+    a one-line problem that `_fail_together` shares with every rank instead of a hang."""
+    try:
+        step()
+        return None
+    except OSError as error:
+        return f"rank {rank}: {error.strerror or error} ({error.filename or 'writing'})"
+
+
+def _os_problem(wrapped: CheckpointException) -> str | None:
+    for rank, (error, _) in sorted(wrapped.failures.items()):
+        if isinstance(error, OSError):
+            return f"rank {rank}: {error.strerror or error} ({error.filename or 'writing its shard'})"
+    return None
+
+
+def _fail_together(problem: str | None, root: Path, partial: Path, final: Path) -> None:
+    """Collective: if any rank's part of the save failed, every rank raises the same
+    CheckpointError; the partial save is removed and `latest` left as it was."""
+    problems = [p for p in gather_objects(problem) if p]
+    if not problems:
+        return
+    if _leader():
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier()
+    newest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    kept = f"latest still names {newest}" if newest else "no earlier checkpoint exists there"
+    raise CheckpointError(
+        f"saving {final.name} into {root} failed: {problems[0]}; the partial save was removed and {kept}. Fix: free "
+        f"space on that filesystem (or pass another --save), then resume with --load {root}")
 
 
 _ITERATION = re.compile(r"iter_\d{7,}")

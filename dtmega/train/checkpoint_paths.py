@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+from dtmega.passes.render import human_bytes
 from dtmega.train.checkpoint import CheckpointError, has_checkpoint
 from dtmega.writable import existing_ancestor, make_writable_dir
 
@@ -61,8 +62,8 @@ def check_save_dir(save: str, parameters: int, create: bool = True) -> str | Non
     free = shutil.disk_usage(ancestor).free
     if free >= needed:
         return None
-    message = (f"--save {save}: its filesystem has {free / 2**30:.2f} GiB free, but one checkpoint of this model "
-               f"takes about {needed / 2**30:.2f} GiB ({parameters:,} parameters x {CHECKPOINT_BYTES_PER_PARAMETER} "
+    message = (f"--save {save}: its filesystem has {human_bytes(free)} free, but one checkpoint of this model "
+               f"takes about {human_bytes(needed)} ({parameters:,} parameters x {CHECKPOINT_BYTES_PER_PARAMETER} "
                "bytes: fp32 weights and AdamW's two moments). Fix: free space there, or pass another --save")
     if create:
         raise CheckpointError(message)

@@ -117,6 +117,9 @@ def main(argv: list[str]) -> str:
     a = build_parser().parse_args(argv)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise DtmegaError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
+    if not 0 <= a.temperature <= 100 or a.temperature != a.temperature:
+        raise DtmegaError(f"--temperature {a.temperature}: must be 0 (greedy, as --greedy) or a positive number up to "
+                          "100. Fix: e.g. --temperature 0.8")
     check_request(read_source_head(a, contents=False), a.prompt, a.max_new_tokens)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf)

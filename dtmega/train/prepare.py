@@ -143,11 +143,38 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     plan = build_plan(args, shape, layers_of(spec, config))
     notes += plan_notes(args, shape)
     parameters = check_before_launch(spec, config, shape, plan, args)
+    check_outputs(args)
     if args.save:
         notes += save_ownership_notes(args)
         warning = check_save_dir(args.save, parameters, create=args.dry_run is None)
         notes += [warning] if warning else []
     return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, args, notes)
+
+
+def check_outputs(args: TrainArgs) -> None:
+    """--log-file and --tensorboard-dir can be written (their directory made and probed, as the
+    run will do; a dry run checks the nearest existing ancestor only): before, /proc/m.jsonl or
+    a directory under a file failed after the process group, with the raw OS error."""
+    from pathlib import Path
+
+    from dtmega.writable import existing_ancestor, make_writable_dir
+
+    for flag, value, directory in (("--log-file", args.log_file, False), ("--tensorboard-dir", args.tensorboard_dir, True)):
+        if not value:
+            continue
+        target = Path(value) if directory else Path(value).parent
+        fix = f"Fix: pass a {flag} {'directory' if directory else 'file'} on a writable filesystem"
+        if not directory and Path(value).is_dir():
+            raise ArgumentError(f"{flag} {value} is a directory; it takes a file name (metrics.jsonl). {fix}")
+        if args.dry_run is not None:
+            ancestor = existing_ancestor(target)
+            if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+                raise ArgumentError(f"{flag} {value}: {ancestor} is not a writable directory. {fix}")
+            continue
+        try:
+            make_writable_dir(target)
+        except OSError as error:
+            raise ArgumentError(f"{flag} {value}: cannot write there ({error.strerror}: {error.filename}). {fix}") from None
 
 
 def save_ownership_notes(args: TrainArgs) -> list[str]:

@@ -154,3 +154,54 @@ def test_a_second_job_on_the_same_save_is_refused_while_the_first_holds_it(corpu
     _run(corpus, save, iters=2)  # the holder died (as a crashed job does): its lock went with it
     _run(corpus, save, iters=4, load=str(save))  # and each run freed its own on the way out
     assert resolve_checkpoint(save).name == "iter_0000004"
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(corpus, tmp_path, monkeypatch):
+    """N14: ENOSPC inside the second save was 191 lines of tracebacks from every rank. Now every
+    rank raises the same one-line error, the partial save is gone and latest is intact."""
+    import errno
+
+    import torch
+
+    from dtmega.train import checkpoint
+
+    real_save, saves = torch.save, []
+
+    def full_disk(obj, path, *args, **kwargs):
+        if isinstance(path, (str, Path)):  # the RNG file (DCP also saves bytes entries into buffers)
+            saves.append(path)
+        if len(saves) == 2 and saves[-1] is path:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    save = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match=r"saving iter_0000004 into .* failed: rank 0: No space left on device "
+                                              r"\(.*rng_rank00000.pt\); the partial save was removed and latest still "
+                                              r"names iter_0000002. Fix: free space"):
+        _run(corpus, save, iters=4)
+    assert resolve_checkpoint(save).name == "iter_0000002"
+    assert not list(save.glob(".iter_*")) and not (save / "iter_0000004").exists()
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupt_ends_in_one_line_with_its_exit_status(corpus, tmp_path, signal_name, status):
+    """N18/N19: Ctrl-C printed a traceback per rank (38-181 lines). Now one line, 130 for SIGINT
+    and 143 for SIGTERM (128 + the signal, as shells report them), checkpoints intact."""
+    import signal
+    import subprocess
+    import sys
+
+    save = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "dtmega", "train", *tiny_args(corpus, train_iters=100000, save=str(save),
+                                                                      save_interval=2, log_interval=1, eval_iters=1)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    for line in process.stdout:
+        if "saved checkpoint" in line:
+            break
+    process.send_signal(getattr(signal, signal_name))
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == status, err[-2000:]
+    assert f"stopped by {signal_name}" in err and "Traceback" not in err, err[-2000:]
+    assert resolve_checkpoint(save).name.startswith("iter_")

@@ -70,8 +70,9 @@ def test_an_unusable_save_is_refused_before_training(corpus, tmp_path, where, me
 
 def test_a_save_without_room_for_one_checkpoint_is_refused(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_paths.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
-    with pytest.raises(CheckpointError, match=r"has 0.00 GiB free, but one checkpoint of this model takes about "
-                                              r"0.00 GiB \([\d,]+ parameters x 12 bytes"):
+    """Sizes in the unit that says something (before: "0.00 GiB free, takes about 0.00 GiB")."""
+    with pytest.raises(CheckpointError, match=r"has 1000 B free, but one checkpoint of this model takes about "
+                                              r"[\d.]+ MiB \([\d,]+ parameters x 12 bytes"):
         train(tiny_args(corpus, save=str(tmp_path / "ckpt")))
 
 
@@ -149,3 +150,60 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(checkpoint):
 
     with pytest.raises(ValueError, match=r"--prompt holds bytes that are not UTF-8 text \(from character 3"):
         generate.main(["--load", str(checkpoint), "--prompt", "caf\udce9 au lait"])
+
+
+# ---- the weak cases of the second fault matrix (../shared/reliability/matrix-2.md), one line each ----
+
+def test_blend_weights_whose_sum_overflows_are_normalised(tmp_path):
+    """N48: `--data-path 1e308 A 1e308 B` was a ZeroDivisionError."""
+    from dtmega.data.blend import parse_data_path
+
+    assert parse_data_path(["1e308", "a", "1e308", "b"]) == [(0.5, "a"), (0.5, "b")]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1e-3"], r"--lr -0.001: must be 0 or more"),  # N50: was "expected one argument"
+    (["--adam-beta2", "1.5"], r"--adam-beta2 1.5: must be at least 0 and below 1. Fix: pass a value in \[0, 1\), "
+                              r"e.g. 0.999"),  # N51: was torch's message, after the model was built
+    (["--adam-beta1", "-0.1"], r"--adam-beta1 -0.1: must be at least 0 and below 1"),
+])
+def test_flag_values_are_refused_naming_the_flag(corpus, flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        parse_train_args([*tiny_args(corpus), *flags])
+
+
+@pytest.mark.parametrize("flag, where, message", [
+    ("log_file", "/proc/dtmega-test/m.jsonl", r"--log-file /proc/dtmega-test/m.jsonl: cannot write there"),  # N56
+    ("tensorboard_dir", "a_file/tb", r"--tensorboard-dir .*a_file/tb: cannot write there \(.*\). Fix: pass a "
+                                     r"--tensorboard-dir directory on a writable filesystem"),  # N57
+    ("log_file", ".", r"--log-file .* is a directory; it takes a file name"),
+])
+def test_outputs_are_checked_before_the_run(corpus, tmp_path, monkeypatch, flag, where, message):
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dtmega.train.trainer.init_distributed",
+                        lambda *a, **k: pytest.fail("the process group came before the check"))
+    with pytest.raises(ArgumentError, match=message):
+        train(tiny_args(corpus, **{flag: where}))
+
+
+def test_evaluate_refuses_a_sequence_beyond_the_context(checkpoint, corpus, capsys):
+    """N52: `evaluate --seq-length 128` on a 64-position model was an IndexError."""
+    from dtmega.cli import main as dtmega_main
+
+    context = read_head(checkpoint).config.max_seq_len
+    capsys.readouterr()
+    assert dtmega_main(["evaluate", "--load", str(checkpoint), "--data-path", corpus,
+                        "--seq-length", str(2 * context), "--eval-iters", "1"]) == 2
+    assert (f"--seq-length {2 * context} is longer than the model's context of {context} tokens" in
+            capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1000"])
+def test_generate_refuses_a_temperature_that_means_nothing(checkpoint, capsys, value):
+    """N55: `--temperature -1` decoded greedily without a word (the server refused it)."""
+    from dtmega.cli import main as dtmega_main
+
+    capsys.readouterr()
+    assert dtmega_main(["generate", "--load", str(checkpoint), "--prompt", "a", "--temperature", value]) == 2
+    assert f"--temperature {float(value)}: must be 0 (greedy, as --greedy) or a positive number" in capsys.readouterr().err

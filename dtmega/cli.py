@@ -33,7 +33,7 @@ SLOW_TO_START = ("evaluate", "generate", "serve", "convert")  # commands whose p
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatches to a subcommand; bad input exits with status 2 and one clear message."""
-    return _run(argv)[0]
+    return _run(argv, launched=False)[0]
 
 
 def entry() -> None:
@@ -47,7 +47,7 @@ def entry() -> None:
     exception", SIGABRT). Under torchrun or SLURM a finished job would then be restarted or
     marked failed (seen after a torchrun restart, under load)."""
     try:
-        status, grouped = _run(None)
+        status, grouped = _run(None, launched=True)
     except BaseException as error:  # a crash (e.g. a peer's connection reset): its traceback, then the same end
         if isinstance(error, SystemExit) or not _process_group_exists():
             raise
@@ -64,8 +64,11 @@ def entry() -> None:
     sys.exit(status)
 
 
-def _run(argv: list[str] | None) -> tuple[int, bool]:
-    """(exit status, whether the command ran under a process group)."""
+def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
+    """(exit status, whether the command ran under a process group). `launched`: this process is
+    the command (console script, `python -m dtmega`), not a call of `main()` inside another
+    program: only then does a failure go to, and a broken collective look in, the launch's store
+    (rank_errors.py), whose keys outlive a call."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -91,8 +94,9 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
         # importing torch and the passes takes seconds; say so at once (stderr: output stays pipeable)
         Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
     module = importlib.import_module(commands[command])
-    from dtmega.joining import DistributedTimeout
+    from dtmega.joining import DistributedTimeout, PeerFailed
     from dtmega.kernels.errors import DtmegaError
+    from dtmega.rank_errors import describe, peers_failures, report_failure
     status = 0
     previous = None
     if command != "serve" and threading.current_thread() is threading.main_thread():
@@ -104,13 +108,24 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
     except DtmegaError as error:
         if os.environ.get("DTMEGA_TRACEBACK"):
             raise
-        if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one message is enough
+        if launched and not isinstance(error, PeerFailed):  # rank-local faults exist: the others hear of it
+            report_failure(str(error))
+        if os.environ.get("RANK", "0") == "0":  # the launch's console shows rank 0: one message, the cause's
             # The message is printed as text: "pip install 'dtmega[te]'" must not read as markup.
             Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                        highlight=False)
+        else:  # under torchrun without --local-ranks-filter every rank's line shows: say which rank
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] rank "
+                                                       f"{os.environ['RANK']}: {escape(str(error))}", highlight=False)
         status = 2
     except (KeyboardInterrupt, Stopped) as stop:  # Ctrl-C or SIGTERM: one line, not a traceback per rank
         name, status = ("SIGTERM", 143) if isinstance(stop, Stopped) else ("SIGINT (Ctrl-C)", 130)
+        failures = peers_failures(wait=1.0) if launched and isinstance(stop, Stopped) else {}
+        if failures:  # torchrun stops every rank once one exits with an error: that error is the news
+            if os.environ.get("RANK", "0") == "0":
+                Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] "
+                                                           f"{escape(describe(failures))}", highlight=False)
+            return 2, _process_group_exists()
         if os.environ.get("RANK", "0") == "0":
             Console(stderr=True, soft_wrap=True).print(
                 f"[bold red]dtmega {command}:[/bold red] stopped by {name}. Checkpoints already complete are intact "
@@ -120,6 +135,15 @@ def _run(argv: list[str] | None) -> tuple[int, bool]:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                    highlight=False)
         return 3, True  # a peer is gone: the group is left as it is (the process ends without finalization)
+    except Exception as error:  # a collective broken by a peer that stopped: its reason, not a gloo traceback
+        failures = peers_failures() if launched and _process_group_exists() and not os.environ.get("DTMEGA_TRACEBACK") else {}
+        if not failures:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]dtmega {command}:[/bold red] {escape(describe(failures))} (this rank's collective broke: "
+                f"{escape(str(error).splitlines()[0][:200] if str(error) else type(error).__name__)})", highlight=False)
+        return 2, True  # the group is broken: the process ends without finalization
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -13,11 +13,19 @@ that store, knowing every peer is there.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from dtmega.kernels.errors import DtmegaError
+from dtmega.rank_errors import attempt_prefix, describe, failed_ranks
+
 _PREFIX = "dtmega/joined/"
+
+
+class PeerFailed(DtmegaError):
+    """Another rank stopped on an input error (its message, as it reported it); this one stops too."""
 
 
 class DistributedTimeout(RuntimeError):
@@ -66,15 +74,23 @@ def rendezvous(timeout: timedelta) -> tuple[dist.Store, int, int]:
     # torchrun's agent store outlives a restart (--max-restarts): the keys of the attempt before,
     # the process group's peer addresses among them, are still there. Each attempt gets its own
     # key space, or a restarted rank may connect to a dead peer's address.
-    store = dist.PrefixStore(f"dtmega/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    store = dist.PrefixStore(attempt_prefix(), store)
     keys = [f"{_PREFIX}{r}" for r in range(world)]
     store.set(keys[rank], "1")
-    try:
-        store.wait(keys, timeout)
-    except dist.DistStoreError:
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        raise DistributedTimeout(
-            f"rank {rank}: rank{'s' * (len(missing) > 1)} {rank_ranges(missing)} of {world} did not join within "
-            f"{minutes_text(timeout)} (--distributed-timeout-minutes). {fix}"
-        ) from None
-    return store, rank, world
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.05
+    while True:  # polled (store.wait would log each short timeout): a rank that stopped on an error ends it at once
+        if store.check(keys):
+            return store, rank, world
+        failures = failed_ranks(store, world)
+        if failures:
+            raise PeerFailed(f"{describe(failures)} (this rank, {rank}, was waiting for it to join)")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(0.5, pause * 2)
+    missing = [r for r in range(world) if not store.check([keys[r]])]
+    raise DistributedTimeout(
+        f"rank {rank}: rank{'s' * (len(missing) > 1)} {rank_ranges(missing)} of {world} did not join within "
+        f"{minutes_text(timeout)} (--distributed-timeout-minutes). {fix}"
+    )

@@ -4,7 +4,10 @@
 
 late-join: rank RANK starts 60 s late (a node that never arrives in time);
 stall-data: rank RANK hangs for 60 s fetching its third batch (a stuck filesystem);
-slow-data: rank RANK takes 0.2 s longer to fetch every batch (a slow disk: a straggler).
+slow-data: rank RANK takes 0.2 s longer to fetch every batch (a slow disk: a straggler);
+missing-data: rank RANK's --data-path names nothing (a node without the data), and every rank
+runs as the console script does (`dtmega.cli.entry`: failures go to the launch's store);
+as-launched: no fault injected, every rank runs as the console script does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ def main() -> int:
             return fetch(self)
 
         BatchLoader.__next__ = stalling
+    if fault in ("missing-data", "as-launched"):
+        if fault == "missing-data" and me == victim:
+            argv[argv.index("--data-path") + 1] += "-not-on-this-node"
+        from dtmega.cli import entry
+
+        sys.argv = ["dtmega", *argv]
+        entry()  # ends the process
     from dtmega.cli import main as dtmega
 
     return dtmega(argv)

@@ -24,7 +24,7 @@ from dtmega.data.vocab_check import check_data_ids
 from dtmega.models.registry import ModelSpec, model_spec
 from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
-from dtmega.train.checkpoint import read_state, select_checkpoint
+from dtmega.train.checkpoint import CheckpointError, read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
 from dtmega.train.save_ownership import check_save_ownership
 from dtmega.train.setup import (
@@ -184,7 +184,13 @@ def save_ownership_notes(args: TrainArgs) -> list[str]:
     if args.load:
         loaded = select_checkpoint(args.load, contents=False)[0]
         state = read_state(loaded)
-    return check_save_ownership(args.save, loaded, state, args.overwrite_checkpoints, load_arg=args.load)
+    try:
+        return check_save_ownership(args.save, loaded, state, args.overwrite_checkpoints, load_arg=args.load)
+    except CheckpointError as refusal:
+        if args.dry_run is None:
+            raise
+        # a dry run checks a launch days before it runs (as for --save's room): said, not refused
+        return [f"today this launch would be refused: {refusal}"]
 
 
 def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Plan, args: TrainArgs) -> int:

@@ -205,3 +205,11 @@ def test_an_interrupt_ends_in_one_line_with_its_exit_status(corpus, tmp_path, si
     assert process.returncode == status, err[-2000:]
     assert f"stopped by {signal_name}" in err and "Traceback" not in err, err[-2000:]
     assert resolve_checkpoint(save).name.startswith("iter_")
+
+
+def test_a_dry_run_says_the_launch_would_be_refused_today(corpus, other_run, capsys):
+    """A dry run checks a launch days before it runs (as for --save's room): said, not refused."""
+    before = snapshot(other_run)
+    train(tiny_args(corpus, train_iters=2, save=str(other_run), dry_run=1))
+    assert "today this launch would be refused: --save" in capsys.readouterr().out
+    assert snapshot(other_run) == before

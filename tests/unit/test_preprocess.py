@@ -149,3 +149,38 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path):
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert json.loads((tmp_path / "o_text_document.stats.json").read_text())["documents"] == 1
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("style", ["gpt2_byte_level", "llama3_split_then_byte_level", "byte_level_without_regex"])
+def test_a_long_document_is_encoded_in_pieces_with_the_same_ids(tmp_path, style):
+    """N41 of the second fault matrix: one 50 MB line peaked at 9.1 GB in `tokenizers`. Texts
+    over HuggingFaceTokenizer.LONG_TEXT characters are cut at a single space between non-spaces,
+    a boundary of every whitespace-splitting pre-tokenizer: the ids equal the whole text's. A
+    pre-tokenizer that does not split there (byte-level without its regex) is never cut."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizerModel
+
+    from dtmega.data.tokenizers import HuggingFaceTokenizer, train_bpe
+    from tests.corpus import make_texts
+
+    train_bpe(make_texts(60, seed=5), 300, tmp_path / "tokenizer.json")
+    model = HFTokenizerModel.from_file(str(tmp_path / "tokenizer.json"))
+    if style == "llama3_split_then_byte_level":
+        model.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif style == "byte_level_without_regex":
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer = HuggingFaceTokenizer(model)
+    assert tokenizer.splits_at_spaces == (style != "byte_level_without_regex")
+    text = " ".join(make_texts(300, seed=9)) + "  two  spaces\n\nlines\tand tabs 123 4567 !!?? it's 'quoted' end"
+    whole = model.encode(text, add_special_tokens=False).ids
+    pieces = []
+    real_encode = model.encode
+    tokenizer.model = type("Spy", (), {"encode": lambda self, t, **k: pieces.append(len(t)) or real_encode(t, **k)})()
+    tokenizer.LONG_TEXT = 997
+    assert tokenizer.encode(text) == whole
+    assert (max(pieces) < 2 * 997 and len(pieces) > 10) if tokenizer.splits_at_spaces else pieces == [len(text)]

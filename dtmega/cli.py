@@ -132,6 +132,12 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
                 "(a save in progress is discarded, never half-read); resume with --load", highlight=False)
         return status, _process_group_exists()  # peers may be mid-collective: the process ends without finalization
     except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
+        failures = peers_failures(wait=1.0) if launched else {}
+        if failures:  # ... unless it could: a peer that stopped on an error said why
+            if os.environ.get("RANK", "0") == "0":
+                Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] "
+                                                           f"{escape(describe(failures))}", highlight=False)
+            return 2, True
         Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
                                                    highlight=False)
         return 3, True  # a peer is gone: the group is left as it is (the process ends without finalization)

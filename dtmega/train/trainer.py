@@ -51,6 +51,7 @@ from dtmega.train.watch import (
     RankMarks,
     check_same_arguments,
     launch_settings,
+    looks_like_a_lost_peer,
     looks_like_timeout,
 )
 
@@ -309,6 +310,8 @@ class Trainer:
         except Exception as error:
             if self.shape.world > 1 and looks_like_timeout(error):
                 raise self.progress.explain(error) from error
+            if self.shape.world > 1 and looks_like_a_lost_peer(error) and not os.environ.get("DTMEGA_TRACEBACK"):
+                raise self.progress.explain_lost_peer(error) from None
             raise
         finally:
             if self.save_lock is not None:

@@ -80,6 +80,16 @@ def looks_like_timeout(error: BaseException) -> bool:
     return isinstance(error, (dist.DistBackendError, RuntimeError)) and ("timed out" in text or "timeout" in text)
 
 
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "failed to recv, got 0 bytes",
+              "connection refused")
+
+
+def looks_like_a_lost_peer(error: BaseException) -> bool:
+    """Whether a backend error is a peer that went away (killed, out of memory, its node lost)."""
+    text = str(error).lower()
+    return isinstance(error, (dist.DistBackendError, RuntimeError)) and any(words in text for words in _LOST_PEER)
+
+
 class RankMarks:
     """Where this rank is, written to the rendezvous store; read back to explain a timeout."""
 
@@ -134,4 +144,16 @@ class RankMarks:
             + f"\nThis rank's collectives run over: {', '.join(self.peers()) or 'the world'}. The backend said: {first}\n"
             "Fix: look at the logs of the ranks that are elsewhere (a hang or a crash there); a phase that is slow "
             "on purpose (a large save, slow storage) needs a larger --distributed-timeout-minutes"
+        )
+
+    def explain_lost_peer(self, error: BaseException) -> DistributedTimeout:
+        """A collective broken by a peer that went away: where this rank was, where every rank
+        is (from the store, if its host is alive), and what to do."""
+        first = str(error).strip().splitlines()[0][:240] if str(error).strip() else type(error).__name__
+        return DistributedTimeout(
+            f"rank {self.rank}: the connection to a peer broke at step {self.step}, in {self.phase}: a rank or node of "
+            "the job went away (killed, out of memory, a node failure). Where the ranks are:\n  "
+            + "\n  ".join(self.where_everyone_is())
+            + f"\nThe backend said: {first}\nFix: look at that node's logs; the checkpoints saved so far are intact: "
+            "start the job again with --load (torchrun --max-restarts does so by itself)"
         )

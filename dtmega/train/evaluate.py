@@ -107,10 +107,6 @@ def run_task(a: argparse.Namespace, pm, tokenizer, state: dict):
     context = int(state.get("model_config", {}).get("max_seq_len") or state["args"]["seq_length"])
     if a.task == "wikitext":
         seq_length = a.seq_length or state["args"]["seq_length"]
-    context = state.get("model_config", {}).get("max_seq_len")
-    if context is not None and seq_length > context:  # before: an IndexError in the RoPE table
-        raise ArgumentError(f"--seq-length {seq_length} is longer than the model's context of {context} tokens (its "
-                            f"max position embeddings). Fix: --seq-length {context} or less")
         if seq_length > context:
             raise ArgumentError(f"--seq-length {seq_length} exceeds the model's context of {context} tokens")
         if a.overlapping_eval > seq_length:

@@ -81,7 +81,9 @@ def test_data_tokenized_with_a_larger_vocabulary(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [" ".join(rng.sample(words, 40)) for _ in range(400)])
     result = preprocess(PreprocessConfig(input=source, output_prefix=str(tmp_path / "bpe"), train_tokenizer=1000,
                                          append_eod=True, progress=False))
-    with pytest.raises(ArgumentError, match=r"holds token id \d+, but this run's tokenizer has 258 ids"):
+    from dtmega.data.vocab_check import DataVocabularyError
+
+    with pytest.raises(DataVocabularyError, match=r"holds token id \d+, but this run's tokenizer has 258 ids"):
         train(tiny_args(result.outputs["text"]))
 
 

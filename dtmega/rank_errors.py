@@ -42,10 +42,13 @@ def _launch_store(timeout: timedelta):
     return dist.PrefixStore(attempt_prefix(), store)
 
 
-def report_failure(message: str, timeout: timedelta = timedelta(seconds=15)) -> bool:
-    """Writes this rank's one-line error where the other ranks look (best effort); True if written."""
+def report_failure(message: str, timeout: timedelta = timedelta(seconds=10)) -> bool:
+    """Writes this rank's one-line error where the other ranks look (best effort); True if written.
+    Under torchrun the agent hosts the store (always up); in a hand launch rank 0 would host it,
+    so a rank 0 that stops before hosting has no one to tell (the others' join wait names it)."""
     rank = os.environ.get("RANK")
-    store = _launch_store(timeout) if rank is not None else None
+    hand_launched_host = rank == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = _launch_store(timeout) if rank is not None and not hand_launched_host else None
     if store is None:
         return False
     try:

@@ -234,3 +234,20 @@ def test_a_hugging_face_config_that_disagrees_with_its_weights_is_refused_with_t
     error = capsys.readouterr().err
     assert "the shards hold 9 tensors the model config.json describes does not use: model.layers.1." in error, error
     assert "num_hidden_layers" in error and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("target", ["an_intact_copy_elsewhere", "nothing"], ids=["N8_symlink_to_a_copy", "N7_dangling"])
+def test_a_shard_that_is_a_symlink_is_refused_unread(copy, tmp_path, target, capsys):
+    """Matrix-2 N7/N8: a checkpoint's files are its own; a shard linked from elsewhere (or to
+    nothing) is named, and with no other checkpoint there `generate --load` stops in one line."""
+    shard = copy / "iter_0000002" / "__0_0.distcp"
+    elsewhere = tmp_path / "elsewhere.distcp"
+    if target == "an_intact_copy_elsewhere":
+        shutil.copy(shard, elsewhere)
+    shard.unlink()
+    shard.symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is a symlink or not a regular file \(refused unread"):
+        select_checkpoint(copy)
+    capsys.readouterr()
+    assert dtmega_main(["generate", "--load", str(copy), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    assert "is a symlink or not a regular file" in capsys.readouterr().err

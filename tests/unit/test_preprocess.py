@@ -184,3 +184,39 @@ def test_a_long_document_is_encoded_in_pieces_with_the_same_ids(tmp_path, style)
     tokenizer.LONG_TEXT = 997
     assert tokenizer.encode(text) == whole
     assert (max(pieces) < 2 * 997 and len(pieces) > 10) if tokenizer.splits_at_spaces else pieces == [len(text)]
+
+
+# ---- the preprocessing cases of the second fault matrix (../shared/reliability/matrix-2.md) ----
+
+def test_a_zero_byte_input_holds_no_documents(tmp_path):
+    """N39."""
+    (tmp_path / "in.jsonl").write_bytes(b"")
+    with pytest.raises(InputError, match="holds no documents"):
+        run(tmp_path, tmp_path / "in.jsonl")
+
+
+def test_one_very_long_line_with_the_byte_tokenizer(tmp_path):
+    """N40 (4 MB here; 50 MB took 4 s in the matrix): one document, every byte a token."""
+    text = "word " * 800_000
+    result = run(tmp_path, write_jsonl(tmp_path / "in.jsonl", [text]), append_eod=True)
+    assert result.documents == 1 and IndexedDataset(result.outputs["text"]).num_tokens == len(text) + 1
+
+
+@pytest.mark.parametrize("raw, line", [
+    (b'{"text": "a"}\n{"text": "caf\xe9"}\n{"text": "c"}\n', 2),  # N42: a latin-1 line between UTF-8 lines
+    ('{"text": "a"}\n{"text": "b"}\n'.encode("utf-16"), 1),  # N43: a UTF-16 file
+])
+def test_text_that_is_not_utf8_names_its_line(tmp_path, raw, line):
+    (tmp_path / "in.jsonl").write_bytes(raw)
+    with pytest.raises(InputError, match=rf"line {line}: not UTF-8 text.*--skip-bad-lines"):
+        run(tmp_path, tmp_path / "in.jsonl")
+    if line == 2:
+        assert run(tmp_path, tmp_path / "in.jsonl", skip_bad_lines=True).skipped_lines == 1
+
+
+def test_a_utf8_byte_order_mark_is_not_tokenized(tmp_path):
+    """N44."""
+    (tmp_path / "in.jsonl").write_bytes('\ufeff{"text": "ab"}\n{"text": "cd"}\n'.encode("utf-8"))
+    result = run(tmp_path, tmp_path / "in.jsonl")
+    data = IndexedDataset(result.outputs["text"])
+    assert result.documents == 2 and [list(data[i]) for i in range(2)] == [list(b"ab"), list(b"cd")]

@@ -104,6 +104,15 @@ BAD_REQUESTS = [
     ({"prompts": ["x"], "stop_token": "eos"}, "stop_token must be an integer"),
     ({"sentences": ["x"], "prompts": ["x"]}, "sentences is no longer used.  Replace with prompts"),
     ({"prompts": ["x"], "beam_width": 2}, "beam_width=2 is not supported by dtmega serve. Fix: leave beam_width out"),
+    # matrix-2 N32 and N36: bytes that are not UTF-8, and values JSON allows but that mean nothing
+    (b'{"prompts": ["\xff\xfe"]}', "the request body is not JSON"),
+    (b'{"prompts": ["x"], "temperature": NaN}', "temperature must be a positive number less than or equal to 100.0"),
+    (b'{"prompts": ["x"], "temperature": Infinity}', "temperature must be a positive number less than or equal to 100.0"),
+    (b'{"prompts": ["x"], "top_p": NaN}', "top_p must be less than or equal to 1.0"),
+    ({"prompts": ["x"], "tokens_to_generate": 4.5}, "tokens_to_generate must be an integer greater than 0"),
+    ({"prompts": ["x"], "tokens_to_generate": True}, "tokens_to_generate must be an integer greater than 0"),
+    ({"prompts": ["x"], "top_k": 1e9}, "top_k must be an integer equal to or greater than 0"),
+    ({"prompts": ["x"], "random_seed": 1e300}, "random_seed must be integer"),
 ]
 
 

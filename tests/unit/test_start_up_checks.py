@@ -207,3 +207,45 @@ def test_generate_refuses_a_temperature_that_means_nothing(checkpoint, capsys, v
     capsys.readouterr()
     assert dtmega_main(["generate", "--load", str(checkpoint), "--prompt", "a", "--temperature", value]) == 2
     assert f"--temperature {float(value)}: must be 0 (greedy, as --greedy) or a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("items", [["0", "a", "0", "b"], ["nan", "a", "1", "b"]], ids=["N46_zero_weights", "N47_nan"])
+def test_blend_weights_that_mean_nothing_are_refused(items):
+    from dtmega.data.blend import parse_data_path
+    from dtmega.kernels.errors import DtmegaError
+
+    with pytest.raises(DtmegaError, match=r"--data-path weights must be positive numbers"):
+        parse_data_path(items)
+
+
+def test_a_data_path_given_with_bin_names_the_prefix_convention(corpus):
+    """N58: `--data-path X.bin` says to pass the prefix without .bin/.idx."""
+    with pytest.raises(Exception, match=r"_text_document\.bin\.idx does not exist. Fix: pass the prefix without "
+                                        r"\.bin/\.idx"):
+        train(tiny_args(f"{corpus}.bin"))
+
+
+def test_a_save_interval_of_zero_is_refused(corpus, tmp_path):
+    """N59."""
+    with pytest.raises(ArgumentError, match=r"--save-interval 0: must be at least 1"):
+        parse_train_args([*tiny_args(corpus, save=str(tmp_path / "c")), "--save-interval", "0"])
+
+
+def test_generate_load_of_a_file_holds_no_checkpoint(tmp_path, capsys):
+    """N64."""
+    from dtmega.cli import main as dtmega_main
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    assert dtmega_main(["generate", "--load", str(tmp_path / "metrics.jsonl"), "--prompt", "the"]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_plan_refuses_zero_gpus(capsys):
+    """N65: `dtmega plan --gpus 0` is one line (exit 2)."""
+    from dtmega.cli import main as dtmega_main
+
+    capsys.readouterr()
+    assert dtmega_main(["plan", "--model", "llama3-8b", "--gpus", "0", "--seq-length", "8192",
+                        "--global-batch-size", "128"]) == 2
+    assert "--gpus must be a positive integer, got 0" in capsys.readouterr().err

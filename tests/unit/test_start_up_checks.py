@@ -249,3 +249,16 @@ def test_plan_refuses_zero_gpus(capsys):
     assert dtmega_main(["plan", "--model", "llama3-8b", "--gpus", "0", "--seq-length", "8192",
                         "--global-batch-size", "128"]) == 2
     assert "--gpus must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_load_hf_with_a_sequence_past_its_positions_is_refused_before_the_run(corpus, tmp_path):
+    """N29: `train --load-hf` with --seq-length longer than the model's position table."""
+    from tests.hf_models import save_tiny_llama31
+
+    hf = save_tiny_llama31(tmp_path / "hf")  # 256 positions
+    argv = tiny_args(corpus, load_hf=str(hf), seq_length=512, train_iters=1, num_layers=None, hidden_size=None,
+                     ffn_hidden_size=None, num_attention_heads=None, num_query_groups=None)
+    argv = [flag for flag in argv if flag not in ("--group-query-attention", "--swiglu")]  # the config says
+    with pytest.raises(Exception, match=r"sequence length 512 is longer than the model's position table \(256 "
+                                        r"positions\)"):
+        train(argv)

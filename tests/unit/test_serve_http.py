@@ -125,6 +125,15 @@ def test_bad_requests_get_400_with_megatrons_message_and_the_server_still_answer
     assert status == 200 and len(answer["tokens"][0]) == 4
 
 
+@pytest.mark.parametrize("field, value", [("n", 1000), ("logprobs", 1_000_000), ("stop", ["a", "b", "c", "d", "e", "f"]),
+                                          ("seed", 1e300), ("max_tokens", 4.5)])
+def test_openai_values_that_mean_nothing_get_400_naming_the_field(server, field, value):
+    """Matrix-2 N36, OpenAI's side: each refused with its own message, `param` naming the field."""
+    status, error = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
+    assert status == 400 and error["error"]["param"] == field, error
+    assert server.health()["status"] == "ok"
+
+
 def test_routing_errors_answer_in_megatrons_shape(server):
     """POST /api (Megatron's clients PUT) answers 405 with Megatron's {"message": ...}, not FastAPI's
     {"detail": ...}; an unknown path 404 the same way."""

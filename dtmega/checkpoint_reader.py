@@ -96,11 +96,17 @@ def read_dcp_metadata(checkpoint: str | Path) -> Metadata:
 _PLAIN_NAME = re.compile(r"^[^/\\\x00]+$")
 
 
+def is_file_name(name: str) -> bool:
+    """Whether `name`, read from a checkpoint's own files, is a bare file name: never a path,
+    never `.` or `..` (what keeps every name a checkpoint gives inside its directory)."""
+    return bool(_PLAIN_NAME.match(name)) and name not in (".", "..")
+
+
 def check_inside(checkpoint: Path, name: str, named_by: Path) -> Path:
     """`checkpoint / name` when `name` (read from the file `named_by`) is a plain file name and a
     regular file there; otherwise an UnsafeCheckpointError. Follows no symlink: a link to a file
     elsewhere, an absolute path, `..`, a device or a FIFO are refused before any read."""
-    if not _PLAIN_NAME.match(name) or name in (".", ".."):
+    if not is_file_name(name):
         raise _refusal(named_by, f"it names {name!r}, which is not a file inside {checkpoint}")
     path = checkpoint / name
     try:

@@ -110,50 +110,46 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
             raise
         if launched and not isinstance(error, PeerFailed):  # rank-local faults exist: the others hear of it
             report_failure(str(error))
-        if os.environ.get("RANK", "0") == "0":  # the launch's console shows rank 0: one message, the cause's
-            # The message is printed as text: "pip install 'dtmega[te]'" must not read as markup.
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
-                                                       highlight=False)
-        else:  # under torchrun without --local-ranks-filter every rank's line shows: say which rank
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] rank "
-                                                       f"{os.environ['RANK']}: {escape(str(error))}", highlight=False)
+        # the launch's console shows rank 0: one message, the cause's; under torchrun without
+        # --local-ranks-filter every rank's line shows, so the others say which rank they are
+        rank = os.environ.get("RANK", "0")
+        _say(command, str(error) if rank == "0" else f"rank {rank}: {error}", everywhere=True)
         status = 2
     except (KeyboardInterrupt, Stopped) as stop:  # Ctrl-C or SIGTERM: one line, not a traceback per rank
         name, status = ("SIGTERM", 143) if isinstance(stop, Stopped) else ("SIGINT (Ctrl-C)", 130)
         failures = peers_failures(wait=1.0) if launched and isinstance(stop, Stopped) else {}
         if failures:  # torchrun stops every rank once one exits with an error: that error is the news
-            if os.environ.get("RANK", "0") == "0":
-                Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] "
-                                                           f"{escape(describe(failures))}", highlight=False)
+            _say(command, describe(failures))
             return 2, _process_group_exists()
-        if os.environ.get("RANK", "0") == "0":
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]dtmega {command}:[/bold red] stopped by {name}. Checkpoints already complete are intact "
-                "(a save in progress is discarded, never half-read); resume with --load", highlight=False)
+        _say(command, f"stopped by {name}. Checkpoints already complete are intact (a save in progress is discarded, "
+                      "never half-read); resume with --load")
         return status, _process_group_exists()  # peers may be mid-collective: the process ends without finalization
     except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
         failures = peers_failures(wait=1.0) if launched else {}
         if failures:  # ... unless it could: a peer that stopped on an error said why
-            if os.environ.get("RANK", "0") == "0":
-                Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] "
-                                                           f"{escape(describe(failures))}", highlight=False)
+            _say(command, describe(failures))
             return 2, True
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(str(error))}",
-                                                   highlight=False)
+        _say(command, str(error), everywhere=True)
         return 3, True  # a peer is gone: the group is left as it is (the process ends without finalization)
     except Exception as error:  # a collective broken by a peer that stopped: its reason, not a gloo traceback
         failures = peers_failures() if launched and _process_group_exists() and not os.environ.get("DTMEGA_TRACEBACK") else {}
         if not failures:
             raise
-        if os.environ.get("RANK", "0") == "0":
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]dtmega {command}:[/bold red] {escape(describe(failures))} (this rank's collective broke: "
-                f"{escape(str(error).splitlines()[0][:200] if str(error) else type(error).__name__)})", highlight=False)
+        broke = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        _say(command, f"{describe(failures)} (this rank's collective broke: {broke})")
         return 2, True  # the group is broken: the process ends without finalization
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return status, _shut_down_process_group()
+
+
+def _say(command: str, text: str, everywhere: bool = False) -> None:
+    """One error line on stderr, on rank 0 only unless `everywhere`. Printed as text: "pip
+    install 'dtmega[te]'" must not read as markup."""
+    if everywhere or os.environ.get("RANK", "0") == "0":
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(text)}",
+                                                   highlight=False)
 
 
 class Stopped(BaseException):

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from dtmega.checkpoint_reader import DataOnlyLoadPlanner
+from dtmega.checkpoint_reader import DataOnlyLoadPlanner, is_file_name
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
 from dtmega.interop.hf_reader import HFSafetensorsReader
 from dtmega.models.llama import Llama
@@ -167,7 +167,7 @@ def _index(path: Path) -> dict[str, Path]:
         except (json.JSONDecodeError, KeyError) as error:
             raise HFFormatError(f"{index_file} is not a safetensors index (no weight_map: {error})") from None
         outside = sorted({str(file) for file in weight_map.values()
-                          if not isinstance(file, str) or "/" in file or "\\" in file or file in ("", ".", "..")})
+                          if not isinstance(file, str) or not is_file_name(file)})
         if outside:
             raise HFFormatError(f"{index_file} names shards outside {path}: {', '.join(outside[:3])}. Refused unread: "
                                 "an index names files of its own directory. Fix: the index that belongs to these shards")

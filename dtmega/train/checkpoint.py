@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dtmega.checkpoint_reader import load_dcp, read_dcp_metadata
+from dtmega.checkpoint_reader import is_file_name, load_dcp, read_dcp_metadata
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import gather_objects
 from dtmega.train.checkpoint_manifest import (
@@ -148,14 +148,18 @@ def _attempt(step, rank: int) -> str | None:
         step()
         return None
     except OSError as error:
-        return f"rank {rank}: {error.strerror or error} ({error.filename or 'writing'})"
+        return _os_line(rank, error, "writing")
 
 
 def _os_problem(wrapped: CheckpointException) -> str | None:
     for rank, (error, _) in sorted(wrapped.failures.items()):
         if isinstance(error, OSError):
-            return f"rank {rank}: {error.strerror or error} ({error.filename or 'writing its shard'})"
+            return _os_line(rank, error, "writing its shard")
     return None
+
+
+def _os_line(rank: int, error: OSError, doing: str) -> str:
+    return f"rank {rank}: {error.strerror or error} ({error.filename or doing})"
 
 
 def _fail_together(problem: str | None, root: Path, partial: Path, final: Path) -> None:
@@ -194,7 +198,7 @@ def latest_target(root: Path) -> tuple[Path | None, str | None]:
     if not name:
         return None, f"{file} is empty"
     target = root / name
-    if "/" in name or "\\" in name or name.startswith("..") or (target.is_symlink() and not _inside(root, target)):
+    if not is_file_name(name) or name.startswith("..") or (target.is_symlink() and not _inside(root, target)):
         raise CheckpointError(
             f"{file} names {name!r}, which leads out of {root}: refused (another directory's checkpoint is never "
             f"loaded through it). Fix: write the name of one of {root}'s iter_* checkpoints into it, or pass the "

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dtmega.checkpoint_reader import is_file_name
 from dtmega.mesh import gather_objects
 
 MANIFEST = "manifest.json"
 ALGORITHM = "crc32"
 _CHUNK = 8 << 20
-_PLAIN_NAME = re.compile(r"^[^/\\\x00]+$")  # a file name, never a path
 
 
 def file_checksum(path: Path) -> tuple[int, str]:
@@ -145,7 +145,7 @@ def verify_checkpoint(checkpoint: Path, contents: bool = True, group=None) -> Ve
     problems: list[str] = []
     for name, entry in files.items():
         path = checkpoint / name
-        if not _PLAIN_NAME.match(name) or name in (".", ".."):
+        if not is_file_name(name):
             problems.append(f"{checkpoint / MANIFEST} names {name!r}, which is not a file inside {checkpoint} "
                             "(refused unread)")
         elif not os.path.lexists(path):

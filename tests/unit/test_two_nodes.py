@@ -51,7 +51,7 @@ def nodes():
         for namespace, _, _ in made.values():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
         why = getattr(error, "stderr", "") or str(error)
-        pytest.skip(f"network namespaces cannot be made here (they need root and CAP_NET_ADMIN): {why.strip()}")
+        pytest.skip(reason=f"network namespaces cannot be made here (they need root and CAP_NET_ADMIN): {why.strip()}")
     yield made
     for namespace, _, _ in made.values():
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)

@@ -208,6 +208,22 @@ def mesh(**sizes: int):
     return _MESHES[key]
 
 
+def first_copy_mesh(**sizes: int):
+    """`mesh(**sizes)` for a test whose plan needs fewer ranks than the world: ranks 0..n-1 (the
+    first copy) run it and the other ranks skip it, instead of every copy repeating the same work
+    on this machine's two cores. Every rank still calls it (an uncached mesh creates its process
+    groups collectively). Only for tests whose collectives all run inside the mesh (the skipping
+    ranks wait at the barrier after the test)."""
+    built = mesh(**sizes)
+    ranks = built.size()
+    if dist.get_rank() >= ranks:
+        import pytest
+
+        first = "rank 0" if ranks == 1 else f"ranks 0-{ranks - 1}"
+        pytest.skip(reason=f"the plan runs on {first}; a copy on this rank would repeat its work")
+    return built
+
+
 def first_ranks_mesh(**sizes: int):
     """A mesh of the given axis sizes on the first ranks of the world only (e.g. tp=3 on ranks
     0-2 of 4: a model whose head count only 3 divides); the other ranks get None and must skip

@@ -31,6 +31,14 @@ def pytest_configure(config):
         dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     if dist.get_world_size() != WORLD:
         pytest.exit(f"the distributed suite expects {WORLD} ranks, got {dist.get_world_size()}", returncode=2)
+    global _BETWEEN_TESTS
+    _BETWEEN_TESTS = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+
+
+# The barrier after every test. Ranks that skip a test run on the first copy only
+# (tests.helpers.first_copy_mesh) wait here while the others work, which can take longer than
+# the 90 s collective timeout: this group waits up to 10 minutes (pytest-timeout ends a test at 5).
+_BETWEEN_TESTS = None
 
 
 def pytest_sessionstart(session):
@@ -93,7 +101,7 @@ def _lockstep():
     """Seeds every test alike on every rank and keeps ranks in step between tests."""
     torch.manual_seed(0)
     yield
-    dist.barrier()
+    dist.barrier(group=_BETWEEN_TESTS)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dtmega.kernels import CommStats, context_parallel_attention, token_indices
-from tests.helpers import mesh, relative_error
+from tests.helpers import first_copy_mesh, relative_error
 
 
 def reference(q, k, v, causal):
@@ -42,7 +42,7 @@ def test_blockwise_methods_with_the_reference_block_kernel(method, causal, zigza
 
 
 def check(cp, method, causal, zigzag, dtype, tolerance, fused=None):
-    group = mesh(cp=cp)["cp"].get_group()
+    group = first_copy_mesh(cp=cp)["cp"].get_group()
     rank = torch.distributed.get_rank(group)
     g = torch.Generator().manual_seed(7)
     batch, seq, heads, kv_heads, dim = 2, 32, 8, 4, 16

@@ -23,7 +23,7 @@ from tests.helpers import (
     clone_module,
     compare_training,
     debug_llama,
-    mesh,
+    first_copy_mesh,
 )
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
 
@@ -51,14 +51,14 @@ def test_dtmega_llama_with_context_parallelism(name, method):
 
 def check_plan(sizes: dict, passes: list) -> None:
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=21)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=21)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
 
 
 def test_compiled_ring_attention_model_matches_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=25)
-    pm = dtmega.parallelize(meta_copy(), mesh(cp=2), [ContextParallel(), DataParallel("fsdp"), Compile("aot_eager")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(cp=2), [ContextParallel(), DataParallel("fsdp"), Compile("aot_eager")])
     pm.init_weights(seed=25)
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))
 
@@ -66,7 +66,7 @@ def test_compiled_ring_attention_model_matches_unsharded():
 @pytest.mark.parametrize("method", METHODS)
 def test_torchtitan_llama3_with_context_parallelism(method):
     reference = torchtitan_debug_llama(seed=22)
-    pm = dtmega.parallelize(clone_module(reference), mesh(cp=2, tp=2),
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(cp=2, tp=2),
                             [TensorParallel(), ContextParallel(method=method), DataParallel("ddp")])
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
 
@@ -74,17 +74,17 @@ def test_torchtitan_llama3_with_context_parallelism(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_hf_llama_with_context_parallelism(method):
     reference = hf_tiny_llama(seed=23)
-    pm = dtmega.parallelize(clone_module(reference), mesh(cp=2), [ContextParallel(method=method), DataParallel("ddp")])
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(cp=2), [ContextParallel(method=method), DataParallel("ddp")])
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
 
 
 def test_without_load_balancing_and_sequence_errors():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=24)
-    pm = dtmega.parallelize(meta_copy(), mesh(cp=4), [ContextParallel(load_balance=None), DataParallel("ddp")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(cp=4), [ContextParallel(load_balance=None), DataParallel("ddp")])
     pm.init_weights(seed=24)
     assert_close_to_reference(compare_training(reference, pm, steps=2, seq_len=12))
     with pytest.raises(ValueError, match="sequence length 10 is not divisible by cp = 4"):
         pm.forward_backward(dtmega.synthetic_batch(4, 10, 256))
-    zigzag = dtmega.parallelize(meta_copy(), mesh(cp=2), [ContextParallel(), DataParallel("ddp")])
+    zigzag = dtmega.parallelize(meta_copy(), first_copy_mesh(cp=2), [ContextParallel(), DataParallel("ddp")])
     with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2 x cp = 4 \(zigzag"):
         zigzag.forward_backward(dtmega.synthetic_batch(4, 6, 256))

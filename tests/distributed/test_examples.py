@@ -8,7 +8,7 @@ import pytest
 import dtmega
 from examples.custom_pass import MLPTensorParallel
 from examples.train_llama import main as train_llama
-from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, mesh
+from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, first_copy_mesh, mesh
 
 
 def test_train_llama_compiled_loss_falls():
@@ -34,7 +34,7 @@ def test_custom_pass_matches_unsharded(sequence_parallel):
     sequence shards) builds the model its layout describes."""
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=12)
     passes = [MLPTensorParallel(), *([dtmega.passes.SequenceParallel()] if sequence_parallel else [])]
-    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(tp=2), dtmega.Plan(passes))
     pm.init_weights(seed=12)
     assert pm.layout["layers.0.feed_forward.w1"].params["weight"].placements == {"tp": "S(0)"}
     assert pm.layout["layers.0.attention.wq"].style is None
@@ -57,8 +57,9 @@ def test_compiled_model_matches_unsharded():
 def test_compile_of_tp_without_sp_is_refused():
     _, meta_copy = build_dtmega_llama(debug_llama(), seed=13)
     with pytest.raises(dtmega.PlanError, match="needs SequenceParallel"):
-        dtmega.parallelize(meta_copy(), mesh(tp=2), [dtmega.passes.TensorParallel(), dtmega.passes.Compile("aot_eager")])
-    pm = dtmega.parallelize(meta_copy(), mesh(tp=2), [dtmega.passes.TensorParallel()])
+        dtmega.parallelize(meta_copy(), first_copy_mesh(tp=2),
+                           [dtmega.passes.TensorParallel(), dtmega.passes.Compile("aot_eager")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(tp=2), [dtmega.passes.TensorParallel()])
     with pytest.raises(dtmega.PlanError, match=r"compiling is a pass: add Compile\(backend='aot_eager'\) as the last "
                                                r"pass of the plan"):
         pm.compile(backend="aot_eager")

@@ -55,7 +55,7 @@ from dtmega.passes import (
     TensorParallel,
 )
 from dtmega.passes.program import submesh
-from tests.helpers import build_dtmega_llama, debug_llama, full, mesh, relative_error
+from tests.helpers import build_dtmega_llama, debug_llama, first_copy_mesh, full, mesh, relative_error
 
 LINEAR_RTOL = 1e-5  # fp32 summation order only: the FP8 values are the same on both sides
 PLANS = {
@@ -168,7 +168,7 @@ def test_fp8_plans_equal_one_rank_in_float64(name, recipe):
     _, meta_copy = build_dtmega_llama(config, seed=47)
     reference = dtmega.parallelize(meta_copy().to(torch.float64), mesh(), [DataParallel("fsdp")])  # no FP8
     one = dtmega.parallelize(meta_copy().to(torch.float64), mesh(), [_float8(recipe), DataParallel("fsdp")])
-    pm = dtmega.parallelize(meta_copy().to(torch.float64), mesh(**sizes), passes(_float8(recipe)))
+    pm = dtmega.parallelize(meta_copy().to(torch.float64), first_copy_mesh(**sizes), passes(_float8(recipe)))
     models = (reference, one, pm)
     for model in models:
         model.init_weights(seed=47)
@@ -202,7 +202,7 @@ def test_fp8_plans_within_fp8_noise_of_one_rank(name, recipe):
     _, meta_copy = build_dtmega_llama(config, seed=41)
     reference = dtmega.parallelize(meta_copy(), mesh(), [DataParallel("fsdp")])
     one = dtmega.parallelize(meta_copy(), mesh(), [_float8(recipe), DataParallel("fsdp")])
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), passes(_float8(recipe)))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), passes(_float8(recipe)))
     models = (reference, one, pm)
     for model in models:
         model.init_weights(seed=41)
@@ -230,7 +230,7 @@ def test_torchao_fp8_all_gather_changes_communication_not_numerics():
     tests/unit/test_float8_plan.py.)"""
     config = debug_llama(tie_embeddings=False)
     _, meta_copy = build_dtmega_llama(config, seed=43)
-    runs = {gather: dtmega.parallelize(meta_copy(), mesh(dp_shard=2), [
+    runs = {gather: dtmega.parallelize(meta_copy(), first_copy_mesh(dp_shard=2), [
         Float8(recipe="tensorwise", format="hybrid", backend="torchao", param_gather=gather, min_features=16),
         DataParallel("fsdp")]) for gather in (False, True)}
     for model in runs.values():

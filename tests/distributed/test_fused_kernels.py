@@ -25,8 +25,8 @@ from tests.helpers import (
     clone_module,
     compare_training,
     debug_llama,
+    first_copy_mesh,
     full,
-    mesh,
     relative_error,
 )
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
@@ -49,7 +49,7 @@ def test_fused_kernels_match_unsharded(name):
     sizes, passes = PLANS[name]
     config = debug_llama(tie_embeddings=False) if "pp" in sizes else debug_llama()
     reference, meta_copy = build_dtmega_llama(config, seed=21)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=21)
     assert pm.layout["output"].kernel == "cross_entropy.fused_linear.reference"
     assert pm.layout["layers.0.ffn_norm"].kernel == "rms_norm_residual.reference"
@@ -61,14 +61,15 @@ def test_fused_kernels_with_expert_parallelism_match_unsharded():
     from tests.distributed.test_moe import moe_llama
 
     reference, meta_copy = build_dtmega_llama(moe_llama(), seed=22)
-    pm = dtmega.parallelize(meta_copy(), mesh(ep=2, dp_shard=2), [ExpertParallel(), FuseKernels(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(ep=2, dp_shard=2),
+                            [ExpertParallel(), FuseKernels(), DataParallel("fsdp")])
     pm.init_weights(seed=22)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
 
 
 def test_fused_kernels_in_compiled_blocks_match_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=23)
-    pm = dtmega.parallelize(meta_copy(), mesh(tp=2, dp_shard=2),
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(tp=2, dp_shard=2),
                             [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp"),
                              Compile("aot_eager")])
     pm.init_weights(seed=23)
@@ -78,7 +79,7 @@ def test_fused_kernels_in_compiled_blocks_match_unsharded():
 @pytest.mark.parametrize("build", [hf_tiny_llama, torchtitan_debug_llama], ids=["hf_llama", "torchtitan_llama3"])
 def test_other_libraries_models_with_fused_kernels_match_unsharded(build):
     reference = build(seed=24)
-    pm = dtmega.parallelize(clone_module(reference), mesh(tp=2, dp_shard=2),
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(tp=2, dp_shard=2),
                             [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp")])
     kernels = {entry.kernel for entry in pm.layout.modules.values() if entry.kernel}
     assert {"rms_norm.reference", "swiglu.reference", "cross_entropy.fused_linear.reference"} <= kernels
@@ -108,7 +109,7 @@ def test_the_parallel_model_returns_logits_with_the_fused_loss(name):
     sizes, passes = LOGITS_PLANS[name]
     config = debug_llama(tie_embeddings=False) if "pp" in sizes else debug_llama()
     reference, meta_copy = build_dtmega_llama(config, seed=25)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=25)
     assert pm.layout["output"].kernel == "cross_entropy.fused_linear.reference"
     assert_close_to_reference(compare_training(reference, pm, steps=2, batch_size=4, seq_len=16))

@@ -8,7 +8,7 @@ import pytest
 
 import dtmega
 from dtmega.passes import DataParallel, Recompute, SequenceParallel, TensorParallel
-from tests.helpers import assert_close_to_reference, clone_module, compare_training, mesh
+from tests.helpers import assert_close_to_reference, clone_module, compare_training, first_copy_mesh
 from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
 
 PLANS = {
@@ -26,7 +26,7 @@ PLANS = {
 def test_torchtitan_llama3_matches_unsharded(name):
     sizes, passes = PLANS[name]
     reference = torchtitan_debug_llama(seed=5)
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
 
 
@@ -34,14 +34,14 @@ def test_torchtitan_llama3_matches_unsharded(name):
 def test_hf_llama_matches_unsharded(name):
     sizes, passes = PLANS[name]
     reference = hf_tiny_llama(seed=6)
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
 
 
 def test_torchtitan_selective_recompute_matches_unsharded():
     reference = torchtitan_debug_llama(seed=8)
     pm = dtmega.parallelize(
-        clone_module(reference), mesh(dp_shard=2, tp=2),
+        clone_module(reference), first_copy_mesh(dp_shard=2, tp=2),
         [TensorParallel(), Recompute("selective"), DataParallel("fsdp")],
     )
     assert_close_to_reference(compare_training(reference, pm, steps=5))
@@ -49,5 +49,5 @@ def test_torchtitan_selective_recompute_matches_unsharded():
 
 def test_hf_tied_embeddings_matches_unsharded():
     reference = hf_tiny_llama(seed=9, tie=True)
-    pm = dtmega.parallelize(clone_module(reference), mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
     assert_close_to_reference(compare_training(reference, pm, steps=5))

@@ -16,8 +16,8 @@ from tests.helpers import (
     build_dtmega_llama,
     compare_training,
     debug_llama,
+    first_copy_mesh,
     full,
-    mesh,
     relative_error,
 )
 
@@ -44,14 +44,14 @@ PLANS = {
 def test_plan_matches_unsharded(name):
     sizes, passes = PLANS[name]
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=1)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=1)
     assert_close_to_reference(compare_training(reference, pm, steps=5))
 
 
 def test_gradient_accumulation_matches_unsharded():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=2)
-    pm = dtmega.parallelize(meta_copy(), mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
     pm.init_weights(seed=2)
     assert_close_to_reference(compare_training(reference, pm, steps=3, batch_size=8, microbatches=2))
 
@@ -64,11 +64,11 @@ def test_validation_between_steps_leaves_gradients_exact(sizes, passes):
     """Regression: FSDP2 leaves the root gathered after a no-grad forward, so parameters() listed
     gathered tensors without gradients and the trainer's gradient norm missed them."""
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=5)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=5)
     assert_close_to_reference(compare_training(reference, pm, steps=3, microbatches=2, batch_size=8,
                                                evaluate_between_steps=True))
-    fresh = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    fresh = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     fresh.init_weights(seed=5)
     optimizer = torch.optim.AdamW(fresh.parameters())
     batch = fresh.shard_batch(dtmega.synthetic_batch(8, 16, 256))
@@ -82,7 +82,7 @@ def test_validation_between_steps_leaves_gradients_exact(sizes, passes):
 
 def test_tied_embeddings_under_tp_and_fsdp():
     reference, meta_copy = build_dtmega_llama(debug_llama(tie_embeddings=True), seed=3)
-    pm = dtmega.parallelize(meta_copy(), mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(dp_shard=2, tp=2), [TensorParallel(), DataParallel("fsdp")])
     pm.init_weights(seed=3)
     assert pm.module.output.weight is pm.module.tok_embeddings.weight
     assert_close_to_reference(compare_training(reference, pm, steps=3))
@@ -91,7 +91,7 @@ def test_tied_embeddings_under_tp_and_fsdp():
 def test_sharded_init_equals_unsharded_init():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=7)
     pm = dtmega.parallelize(
-        meta_copy(), mesh(dp_shard=2, tp=2), [TensorParallel(), SequenceParallel(), DataParallel("fsdp")]
+        meta_copy(), first_copy_mesh(dp_shard=2, tp=2), [TensorParallel(), SequenceParallel(), DataParallel("fsdp")]
     )
     pm.init_weights(seed=7)
     expected = dict(reference.named_parameters())
@@ -107,7 +107,7 @@ def test_bf16_mixed_precision_tracks_fp32_reference():
     default kernels). A wrong plan is off by O(1)."""
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=4)
     pm = dtmega.parallelize(
-        meta_copy(), mesh(dp_shard=2, tp=2),
+        meta_copy(), first_copy_mesh(dp_shard=2, tp=2),
         [TensorParallel(), DataParallel("fsdp", param_dtype="bfloat16", reduce_dtype="float32")],
     )
     pm.init_weights(seed=4)
@@ -136,6 +136,6 @@ def test_selective_recompute_in_compiled_blocks_matches_unsharded(name, backend)
     the suite's tolerances."""
     sizes, passes = COMPILED_SELECTIVE[name]
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=12)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan([*passes, Compile(backend)]))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan([*passes, Compile(backend)]))
     pm.init_weights(seed=12)
     assert_close_to_reference(compare_training(reference, pm, steps=3, seq_len=32))

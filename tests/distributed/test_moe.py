@@ -24,7 +24,7 @@ from dtmega.passes import (
     TensorParallel,
 )
 from dtmega.passes.expert_parallel import ExpertDispatch
-from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, mesh
+from tests.helpers import assert_close_to_reference, build_dtmega_llama, clone_module, compare_training, first_copy_mesh
 from tests.interop_models import hf_tiny_mixtral, torchtitan_tiny_moe, with_fp32_experts
 
 DISPATCHERS = ["alltoall", "allgather"]
@@ -53,7 +53,7 @@ PLANS = {
 
 def run(config: LlamaConfig, sizes: dict, passes: list, seed: int, **compare) -> tuple:
     reference, meta_copy = build_dtmega_llama(config, seed=seed)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=seed)
     result = compare_training(reference, pm, **compare)
     return reference, pm, result
@@ -114,7 +114,7 @@ def test_other_libraries_moe_models_match_unsharded(build, name, dispatcher):
     """fp32 throughout (torchtitan's experts patched to skip their bf16 casts): the fp32 tolerances."""
     sizes, passes = INTEROP_PLANS[name]
     reference = build(seed=34)
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), passes(dispatcher))
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), passes(dispatcher))
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
 
 
@@ -135,7 +135,7 @@ BF16_ULP = 2 * 2.0 ** -8
 def test_torchtitan_moe_with_bf16_experts_stays_within_bf16_rounding(name):
     sizes, passes = INTEROP_PLANS[name]
     reference = torchtitan_tiny_moe(seed=34)
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), passes("alltoall"))
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), passes("alltoall"))
     result = compare_training(reference, pm, steps=5, seq_len=16)
     assert result.loss <= BF16_ULP and result.grad <= BF16_ULP and result.param <= BF16_ULP, result
 
@@ -150,7 +150,7 @@ def test_fewer_local_experts_than_fsdp_ranks_shard_another_dim():
 
 def test_compiled_moe_blocks_match_unsharded():
     reference, meta_copy = build_dtmega_llama(moe_llama().replace(n_layers=2), seed=36)
-    pm = dtmega.parallelize(meta_copy(), mesh(ep=2), [ExpertParallel(), DataParallel("fsdp"), Compile("aot_eager")])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(ep=2), [ExpertParallel(), DataParallel("fsdp"), Compile("aot_eager")])
     pm.init_weights(seed=36)
     assert_close_to_reference(compare_training(reference, pm, steps=2, seq_len=16))
 

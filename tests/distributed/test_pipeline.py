@@ -8,7 +8,7 @@ import pytest
 
 import dtmega
 from dtmega.passes import DataParallel, PipelineSplit, PipelineStages, Recompute, SequenceParallel, TensorParallel
-from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, mesh
+from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, first_copy_mesh
 
 SCHEDULES = {  # schedule -> virtual stages per rank
     "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zero_bubble": 2, "zbv": 2, "dualpipev": 2,
@@ -17,7 +17,7 @@ SCHEDULES = {  # schedule -> virtual stages per rank
 
 def run(sizes: dict, passes: list, batch_size: int = 8, seed: int = 1):
     reference, meta_copy = build_dtmega_llama(debug_llama(n_layers=8), seed=seed)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=seed)
     assert_close_to_reference(compare_training(reference, pm, steps=5, batch_size=batch_size))
     return pm
@@ -63,7 +63,7 @@ def test_uneven_split_places_blocks_as_asked():
 
 def test_schedule_table_shows_every_micro_batch():
     reference, meta_copy = build_dtmega_llama(debug_llama(n_layers=8), seed=1)
-    pm = dtmega.parallelize(meta_copy(), mesh(pp=2), [PipelineSplit("pp", "interleaved_1f1b", 4, virtual_stages=2)])
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(pp=2), [PipelineSplit("pp", "interleaved_1f1b", 4, virtual_stages=2)])
     table = pm.schedule_table()
     assert table.columns[1].header == "rank 0" and len(table.columns) == 3
     cells = [str(c) for column in table.columns[1:] for c in column._cells]

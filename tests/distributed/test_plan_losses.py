@@ -14,7 +14,16 @@ import torch
 import dtmega
 from dtmega.kernels import per_token_cross_entropy
 from dtmega.passes import ContextParallel, DataParallel, PipelineSplit, SequenceParallel, TensorParallel
-from tests.helpers import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, build_dtmega_llama, debug_llama, full, mesh, relative_error
+from tests.helpers import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    PARAM_RTOL,
+    build_dtmega_llama,
+    debug_llama,
+    first_copy_mesh,
+    full,
+    relative_error,
+)
 from tests.user_passes import TokenWeightedLoss
 
 PLANS = {
@@ -39,7 +48,7 @@ def test_a_registered_loss_and_its_batch_field_are_used_under_every_plan(name):
     sizes, passes = PLANS[name]
     config = debug_llama(tie_embeddings=False) if "pp" in sizes else debug_llama()
     reference, meta_copy = build_dtmega_llama(config, seed=27)
-    pm = dtmega.parallelize(meta_copy(), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=27)
     assert pm.batch_fields == ("token_weight",)
     params = dict(reference.named_parameters())
@@ -66,9 +75,9 @@ def test_a_registered_loss_and_its_batch_field_are_used_under_every_plan(name):
 
 def test_a_batch_without_the_field_the_loss_reads_is_refused_naming_it():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=28)
-    pm = dtmega.parallelize(meta_copy(), mesh(), dtmega.Plan([TokenWeightedLoss()]))
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(), dtmega.Plan([TokenWeightedLoss()]))
     with pytest.raises(KeyError, match=r"batch lacks \['token_weight'\].*make_batch\(tokens, labels, ..., token_weight="):
         pm.forward_backward(dtmega.synthetic_batch(2, 8, 256))
-    plain = dtmega.parallelize(meta_copy(), mesh(), dtmega.Plan([]))
+    plain = dtmega.parallelize(meta_copy(), first_copy_mesh(), dtmega.Plan([]))
     with pytest.raises(KeyError, match=r"batch field\(s\) \['token_weight'\] are read by no pass or loss"):
         plain.forward_backward(weighted_batch(0, 256))

@@ -10,7 +10,7 @@ import torch
 import dtmega
 from dtmega.passes import DataParallel, SequenceParallel, TensorParallel
 from tests.families.tiny_gpt.model import TinyGPT, TinyGPTConfig
-from tests.helpers import assert_close_to_reference, clone_module, compare_training, mesh
+from tests.helpers import assert_close_to_reference, clone_module, compare_training, first_copy_mesh
 
 PLANS = {
     "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
@@ -26,6 +26,6 @@ def test_a_family_of_ones_own_matches_its_unsharded_model(name):
     sizes, passes = PLANS[name]
     torch.manual_seed(29)
     reference = TinyGPT(TinyGPTConfig())
-    pm = dtmega.parallelize(clone_module(reference), mesh(**sizes), dtmega.Plan(passes))
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
     assert pm.layout["blocks.0.attn"].type == "Attention"
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))

@@ -19,6 +19,20 @@ from typing import Any, ClassVar
 
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import NAMED_CONFIGS
+from dtmega.passes import (
+    Compile,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Float8,
+    FuseKernels,
+    Pass,
+    PipelineSplit,
+    Recompute,
+    SequenceParallel,
+    TensorParallel,
+)
+from dtmega.passes.fused_ops import FUSED_OPS
 from dtmega.passes.toml_io import load_toml
 from dtmega.train.arg_checks import (
     OptionValueError,
@@ -108,6 +122,58 @@ class ParallelArgs:
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
 
+    def split_passes(self, shape: Any, n_layers: int) -> list[Pass]:
+        """The passes that split the model within a data-parallel replica (TP, SP, CP, EP) and
+        recompute, in plan order; `shape` is the run's RunShape."""
+        passes: list[Pass] = []
+        if shape.tp > 1:
+            passes.append(TensorParallel())
+        if self.sequence_parallel and shape.tp > 1:  # at TP 1 Megatron turns it off with a warning (plan_notes)
+            passes.append(SequenceParallel())
+        if shape.cp > 1:
+            method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[self.cp_comm_type]
+            passes.append(ContextParallel(method=method))
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != shape.tp:
+            raise ArgumentError(
+                f"--expert-tensor-parallel-size {etp}: the experts' hidden dim is split over the tensor-parallel "
+                f"ranks, so ETP equals TP ({shape.tp}) here (ETP < TP, Megatron's parallel folding, is not supported "
+                "yet). Fix: leave it unset"
+            )
+        if shape.ep > 1:
+            passes.append(ExpertParallel(dispatcher=self.moe_token_dispatcher_type))  # type: ignore[attr-defined]
+        return passes + self._recompute_passes(n_layers)
+
+    def _recompute_passes(self, n_layers: int) -> list[Pass]:
+        if self.recompute_granularity == "selective":
+            return [Recompute("selective")]
+        if self.recompute_granularity == "full":
+            if self.recompute_method == "block":
+                return [Recompute("full", first=self.recompute_num_layers or n_layers)]
+            return [Recompute("full")]  # uniform, one block per unit (groups of several blocks were refused)
+        if self.recompute_method or self.recompute_num_layers:
+            raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+        return []
+
+    def data_parallel_mode(self) -> str:
+        """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
+        if self.data_parallel:
+            return self.data_parallel
+        return "fsdp" if self.use_distributed_optimizer or self.cpu_optimizer else "ddp"
+
+    def data_parallel_passes(self, param_dtype: str) -> list[Pass]:
+        """DataParallel in the chosen mode (gradients reduced in fp32), then Compile if asked."""
+        mode = self.data_parallel_mode()
+        if self.cpu_optimizer and mode == "ddp":
+            raise ArgumentError("--cpu-optimizer keeps each rank's shard of the weights, gradients and Adam state on "
+                                "the host, which needs sharded data parallelism. Fix: --data-parallel fsdp (or hsdp), "
+                                "or drop --data-parallel ddp")
+        passes: list[Pass] = [DataParallel(mode, param_dtype=param_dtype, reduce_dtype="float32",
+                                           offload=self.cpu_optimizer)]
+        if self.compile:
+            passes.append(Compile(backend=self.compile))
+        return passes
+
 
 @dataclass(frozen=True)
 class PipelineArgs:
@@ -128,6 +194,33 @@ class PipelineArgs:
     account_for_loss_in_pipeline_split: bool = _opt(False, "the output layer and loss take one block's slot")
     pipeline_model_parallel_layout: str | None = _opt(None, "explicit split, e.g. 'Et*3|t*4|t*4|t*3L'")
 
+    def pipeline_passes(self, shape: Any, n_layers: int) -> list[Pass]:
+        """PipelineSplit from Megatron's pipeline flags (micro-batches are the accumulation steps);
+        none at PP 1, where any other pipeline flag is refused."""
+        if shape.pp == 1:
+            given = [f"--{f.name.replace('_', '-')}" for f in fields(PipelineArgs)
+                     if f.name != "pipeline_model_parallel_size" and getattr(self, f.name)]
+            if given:
+                raise ArgumentError(f"pipeline options ({', '.join(given)}) need --pipeline-model-parallel-size > 1")
+            return []
+        virtual = 1
+        if self.num_layers_per_virtual_pipeline_stage:
+            per = self.num_layers_per_virtual_pipeline_stage
+            if n_layers % (per * shape.pp):
+                raise ArgumentError(
+                    f"--num-layers {n_layers} is not divisible by --num-layers-per-virtual-pipeline-stage {per} x "
+                    f"--pipeline-model-parallel-size {shape.pp}"
+                )
+            virtual = n_layers // (per * shape.pp)
+        schedule = self.pipeline_schedule or ("interleaved_1f1b" if virtual > 1 else "1f1b")
+        return [PipelineSplit(
+            schedule=schedule, microbatches=shape.accumulation, virtual_stages=virtual,
+            first_stage_layers=self.decoder_first_pipeline_num_layers,
+            last_stage_layers=self.decoder_last_pipeline_num_layers,
+            count_embedding=self.account_for_embedding_in_pipeline_split,
+            count_loss=self.account_for_loss_in_pipeline_split, layout=self.pipeline_model_parallel_layout,
+        )]
+
 
 @dataclass(frozen=True)
 class FusionArgs:
@@ -141,6 +234,15 @@ class FusionArgs:
     no_rope_fusion: bool = _opt(False, "apply RoPE to q and k with plain PyTorch ops instead of one fused kernel")
     no_bias_swiglu_fusion: bool = _opt(False, "SwiGLU with plain PyTorch ops instead of the fused kernel")
     no_rms_norm_fusion: bool = _opt(False, "RMSNorm (and the residual add before it) without the fused kernels")
+
+    def fusion_passes(self) -> list[Pass]:
+        """FuseKernels with each registered op's switch from its flag: None lets FuseKernels decide
+        (fused, except inside blocks compiled on a GPU, where inductor's fusion measured faster),
+        False is off; no pass when every op is off."""
+        switches = {op.switch: bool(getattr(self, op.flag)) if op.flag_turns_on
+                    else (False if getattr(self, op.flag) else None)
+                    for op in FUSED_OPS.values() if op.flag}
+        return [FuseKernels(**switches)] if any(value is not False for value in switches.values()) else []
 
 
 @dataclass(frozen=True)
@@ -167,6 +269,28 @@ class FP8Args:
     num_layers_at_end_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the end kept bf16")
     transformer_impl: str = _opt("local", "local: dtmega's modules (FP8 by its own kernels); transformer_engine: "
                                           "FP8 linears by Transformer Engine", ("local", "transformer_engine"))
+
+    def fp8_passes(self) -> list[Pass]:
+        """The Float8 pass Megatron's --fp8-* flags describe (none without --fp8-format/--fp8-hybrid).
+        The backend: Transformer Engine with --transformer-impl transformer_engine, else dtmega's own
+        FP8 linear (which also gathers FSDP shards in FP8 with --fp8-param-gather); torchao's
+        Float8Linear is the Python API's `Float8(backend="torchao")`."""
+        fmt = "hybrid" if self.fp8_hybrid else self.fp8_format
+        if fmt is None:
+            given = [f"--{n.replace('_', '-')}" for n in ("fp8_param_gather", "first_last_layers_bf16")
+                     if getattr(self, n)]
+            if given:
+                raise ArgumentError(f"{', '.join(given)} need(s) FP8: add --fp8-format hybrid (or --fp8-hybrid)")
+            return []
+        if self.fp8_hybrid and self.fp8_format not in (None, "hybrid"):
+            raise ArgumentError(f"--fp8-hybrid and --fp8-format {self.fp8_format} disagree; give one of them")
+        keep = self.first_last_layers_bf16
+        return [Float8(recipe=self.fp8_recipe, format=fmt,
+                       backend="transformer_engine" if self.transformer_impl == "transformer_engine" else "dtmega",
+                       amax_history_len=self.fp8_amax_history_len, amax_compute_algo=self.fp8_amax_compute_algo,
+                       param_gather=self.fp8_param_gather, min_features=self.fp8_min_features,
+                       first_blocks_bf16=self.num_layers_at_start_in_bf16 if keep else 0,
+                       last_blocks_bf16=self.num_layers_at_end_in_bf16 if keep else 0)]
 
 
 @dataclass(frozen=True)
@@ -242,6 +366,12 @@ class OptimizerArgs:
     min_loss_scale: float = _opt(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = _opt(1000, "steps without overflow before the scale doubles")
     hysteresis: int = _opt(2, "overflows tolerated before the scale halves")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The parameters' compute dtype (--bf16, --fp16, else float32); master weights and
+        gradient reduction stay fp32."""
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
 
 @dataclass(frozen=True)

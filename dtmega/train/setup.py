@@ -13,22 +13,8 @@ from pathlib import Path
 from dtmega.data.tokenizers import TokenizerSpec
 from dtmega.models.llama.config import LlamaConfig, RopeScaling
 from dtmega.models.moe_config import MoEConfig
-from dtmega.passes import (
-    Compile,
-    ContextParallel,
-    DataParallel,
-    ExpertParallel,
-    Float8,
-    FuseKernels,
-    Pass,
-    PipelineSplit,
-    Plan,
-    Recompute,
-    SequenceParallel,
-    TensorParallel,
-)
-from dtmega.passes.fused_ops import FUSED_OPS
-from dtmega.train.args import ArgumentError, MoEArgs, PipelineArgs, TrainArgs
+from dtmega.passes import Plan
+from dtmega.train.args import ArgumentError, MoEArgs, TrainArgs
 from dtmega.train.not_built import refuse_not_built
 
 
@@ -107,7 +93,7 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
         )
     if ep > 1 and not args.num_experts:
         raise ArgumentError("--expert-model-parallel-size > 1 needs a mixture-of-experts model (--num-experts)")
-    mode = data_parallel_mode(args)
+    mode = args.data_parallel_mode()
     shard = dp
     replicate = 1
     if mode == "ddp":
@@ -126,13 +112,6 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
     else:
         shard //= ep
     return RunShape(world, tp, pp, cp, dp, replicate, shard, ep, micro, global_batch, global_batch // (micro * dp))
-
-
-def data_parallel_mode(args: TrainArgs) -> str:
-    """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
-    if args.data_parallel:
-        return args.data_parallel
-    return "fsdp" if args.use_distributed_optimizer or args.cpu_optimizer else "ddp"
 
 
 def padded_vocab(vocab: int, args: TrainArgs) -> int:
@@ -221,113 +200,11 @@ def plan_notes(args: TrainArgs, shape: RunShape) -> list[str]:
 
 
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
-    """The pass sequence the flags ask for."""
+    """The pass sequence the flags ask for: each section of the arguments contributes its passes
+    (dtmega/train/args.py), in plan order."""
     refuse_not_built(args)
-    passes: list[Pass] = []
-    if shape.tp > 1:
-        passes.append(TensorParallel())
-    if args.sequence_parallel and shape.tp > 1:  # at TP 1 Megatron turns it off with a warning (plan_notes)
-        passes.append(SequenceParallel())
-    if shape.cp > 1:
-        method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[args.cp_comm_type]
-        passes.append(ContextParallel(method=method))
-    etp = args.expert_tensor_parallel_size
-    if etp is not None and etp != shape.tp:
-        raise ArgumentError(
-            f"--expert-tensor-parallel-size {etp}: the experts' hidden dim is split over the tensor-parallel ranks, "
-            f"so ETP equals TP ({shape.tp}) here (ETP < TP, Megatron's parallel folding, is not supported yet). "
-            "Fix: leave it unset"
-        )
-    if shape.ep > 1:
-        passes.append(ExpertParallel(dispatcher=args.moe_token_dispatcher_type))
-    if args.recompute_granularity == "selective":
-        passes.append(Recompute("selective"))
-    elif args.recompute_granularity == "full":
-        count = args.recompute_num_layers
-        if args.recompute_method == "block":
-            passes.append(Recompute("full", first=count or n_layers))
-        else:  # uniform, one block per unit (groups of several blocks were refused above)
-            passes.append(Recompute("full"))
-    elif args.recompute_method or args.recompute_num_layers:
-        raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
-    if shape.pp > 1:
-        passes.append(pipeline_pass(args, shape, n_layers))
-    elif any(getattr(args, f) for f in PIPELINE_ONLY):
-        raise ArgumentError(f"pipeline options ({', '.join(_flags(PIPELINE_ONLY, args))}) need "
-                            "--pipeline-model-parallel-size > 1")
-    # None: FuseKernels decides (fused, except inside blocks compiled on a GPU, where inductor's
-    # fusion measured faster); False: off.
-    fusions = {op.switch: bool(getattr(args, op.flag)) if op.flag_turns_on else (False if getattr(args, op.flag) else None)
-               for op in FUSED_OPS.values() if op.flag}
-    if any(value is not False for value in fusions.values()):
-        passes.append(FuseKernels(**fusions))
-    float8 = float8_pass(args)
-    if float8 is not None:
-        passes.append(float8)
-    precision = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    mode = data_parallel_mode(args)
-    if args.cpu_optimizer and mode == "ddp":
-        raise ArgumentError("--cpu-optimizer keeps each rank's shard of the weights, gradients and Adam state on the "
-                            "host, which needs sharded data parallelism. Fix: --data-parallel fsdp (or hsdp), or drop "
-                            "--data-parallel ddp")
-    passes.append(DataParallel(mode, param_dtype=precision, reduce_dtype="float32", offload=args.cpu_optimizer))
-    if args.compile:
-        passes.append(Compile(backend=args.compile))
-    return Plan(passes)
-
-
-def float8_pass(args: TrainArgs) -> Float8 | None:
-    """The Float8 pass Megatron's --fp8-* flags describe (None without --fp8-format/--fp8-hybrid)."""
-    fmt = "hybrid" if args.fp8_hybrid else args.fp8_format
-    if fmt is None:
-        given = [f"--{n.replace('_', '-')}" for n in ("fp8_param_gather", "first_last_layers_bf16") if getattr(args, n)]
-        if given:
-            raise ArgumentError(f"{', '.join(given)} need(s) FP8: add --fp8-format hybrid (or --fp8-hybrid)")
-        return None
-    if args.fp8_hybrid and args.fp8_format not in (None, "hybrid"):
-        raise ArgumentError(f"--fp8-hybrid and --fp8-format {args.fp8_format} disagree; give one of them")
-    keep = args.first_last_layers_bf16
-    return Float8(recipe=args.fp8_recipe, format=fmt,
-                  backend=float8_backend(args),
-                  amax_history_len=args.fp8_amax_history_len, amax_compute_algo=args.fp8_amax_compute_algo,
-                  param_gather=args.fp8_param_gather, min_features=args.fp8_min_features,
-                  first_blocks_bf16=args.num_layers_at_start_in_bf16 if keep else 0,
-                  last_blocks_bf16=args.num_layers_at_end_in_bf16 if keep else 0)
-
-
-def float8_backend(args: TrainArgs) -> str:
-    """Transformer Engine with --transformer-impl transformer_engine, else dtmega's own FP8
-    linear (which also gathers FSDP shards in FP8 with --fp8-param-gather). torchao's
-    Float8Linear is the Python API's `Float8(backend="torchao")`."""
-    return "transformer_engine" if args.transformer_impl == "transformer_engine" else "dtmega"
-
-
-# pipeline options that mean something only with --pipeline-model-parallel-size > 1
-PIPELINE_ONLY = tuple(f.name for f in fields(PipelineArgs) if f.name != "pipeline_model_parallel_size")
-
-
-def _flags(names, args) -> list[str]:
-    return ["--" + n.replace("_", "-") for n in names if getattr(args, n)]
-
-
-def pipeline_pass(args: TrainArgs, shape: RunShape, n_layers: int) -> PipelineSplit:
-    """PipelineSplit from Megatron's pipeline flags; micro-batches are the accumulation steps."""
-    virtual = 1
-    if args.num_layers_per_virtual_pipeline_stage:
-        per = args.num_layers_per_virtual_pipeline_stage
-        if n_layers % (per * shape.pp):
-            raise ArgumentError(
-                f"--num-layers {n_layers} is not divisible by --num-layers-per-virtual-pipeline-stage {per} x "
-                f"--pipeline-model-parallel-size {shape.pp}"
-            )
-        virtual = n_layers // (per * shape.pp)
-    schedule = args.pipeline_schedule or ("interleaved_1f1b" if virtual > 1 else "1f1b")
-    return PipelineSplit(
-        schedule=schedule, microbatches=shape.accumulation, virtual_stages=virtual,
-        first_stage_layers=args.decoder_first_pipeline_num_layers, last_stage_layers=args.decoder_last_pipeline_num_layers,
-        count_embedding=args.account_for_embedding_in_pipeline_split, count_loss=args.account_for_loss_in_pipeline_split,
-        layout=args.pipeline_model_parallel_layout,
-    )
+    return Plan([*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.fusion_passes(),
+                 *args.fp8_passes(), *args.data_parallel_passes(args.compute_dtype)])
 
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:

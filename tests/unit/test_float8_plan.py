@@ -15,7 +15,7 @@ import dtmega
 from dtmega.passes import DataParallel, Float8, Plan, PlanError, SequenceParallel, TensorParallel
 from dtmega.passes.render import layout_table
 from dtmega.train.args import ArgumentError, parse_train_args
-from dtmega.train.setup import build_plan, float8_pass, run_shape
+from dtmega.train.setup import build_plan, run_shape
 from tests.helpers import debug_llama, full, relative_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ def test_torchao_backend_computes_what_dtmegas_own_does(one_rank_mesh):
 def test_megatron_fp8_flags_map_onto_the_pass():
     args, _ = parse_train_args(["--fp8-hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
                                 "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
-    fp8 = float8_pass(args)
+    (fp8,) = args.fp8_passes()
     assert (fp8.recipe, fp8.format, fp8.backend, fp8.amax_history_len, fp8.amax_compute_algo) == (
         "delayed", "hybrid", "dtmega", 1024, "max")
     assert (fp8.first_blocks_bf16, fp8.last_blocks_bf16) == (1, 2)
@@ -126,13 +126,13 @@ def test_megatron_fp8_flags_map_onto_the_pass():
                                 "2"])
     plan = build_plan(args, run_shape(args, 4), 4)
     assert any(isinstance(p, Float8) and (p.format, p.recipe) == ("e4m3", "tensorwise") for p in plan.passes)
-    assert float8_pass(parse_train_args([])[0]) is None
-    gather = float8_pass(parse_train_args(["--fp8-hybrid", "--fp8-param-gather"])[0])
+    assert parse_train_args([])[0].fp8_passes() == []
+    (gather,) = parse_train_args(["--fp8-hybrid", "--fp8-param-gather"])[0].fp8_passes()
     assert (gather.backend, gather.recipe, gather.param_gather) == ("dtmega", "delayed", True)
     with pytest.raises(ArgumentError, match="--fp8-param-gather need\\(s\\) FP8: add --fp8-format hybrid"):
-        float8_pass(parse_train_args(["--fp8-param-gather"])[0])
+        parse_train_args(["--fp8-param-gather"])[0].fp8_passes()
     with pytest.raises(ArgumentError, match="--fp8-hybrid and --fp8-format e4m3 disagree"):
-        float8_pass(parse_train_args(["--fp8-hybrid", "--fp8-format", "e4m3"])[0])
+        parse_train_args(["--fp8-hybrid", "--fp8-format", "e4m3"])[0].fp8_passes()
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("transformer_engine") is not None,

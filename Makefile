@@ -48,9 +48,10 @@ train: $(DEMO)/data/kjv_text_document.idx
 		-m dtmega train --config configs/demo.toml
 	$(PY) -m dtmega generate --load $(DEMO)/checkpoints --prompt "And God said" --max-new-tokens 60
 
-# The unit tests on two pytest-xdist workers and, alongside them, the distributed suite in one
-# 4-rank torchrun session (tests/suite.py; tests/distributed_session.py: a rank that dies of a
-# signal has its stacks printed and the unfinished tests rerun once; docs/testing.md).
+# The unit tests on two pytest-xdist workers, the unit tests with deadlines of seconds alone,
+# then the distributed suite in one 4-rank torchrun session (tests/suite.py;
+# tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
+# unfinished tests rerun once; docs/testing.md).
 test: lint
 	$(PY) tests/suite.py
 

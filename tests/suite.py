@@ -1,16 +1,19 @@
-"""The whole suite, as `make test` (and so CI) runs it: the unit tests and the distributed
-session side by side.
+"""The whole suite, as `make test` (and so CI) runs it.
 
     .venv/bin/python tests/suite.py
 
-The machine this project is tested on has 2 cores. Run one after the other, the two sessions
-leave a core idle for long stretches: most unit tests wait on one subprocess (a documented
-command, a `dtmega` launch) and the distributed session's 4 ranks wait on each other's
-collectives. So the distributed session (tests/distributed_session.py, its output kept in a
-file and printed when it ends) runs in the background while the unit suite runs in front on two
-pytest-xdist workers (tests/unit/conftest.py groups its tests by file, the longest file first).
-Nothing is skipped or shortened: every test of both sessions runs, and the run fails if either
-session fails.
+1. The unit tests on two pytest-xdist workers (`-n 2 --dist loadgroup`; tests/unit/conftest.py
+   groups them by file and hands out the longest file first). Most of them wait on one
+   subprocess at a time (a documented command, a `dtmega` launch), so one session leaves a core
+   of this 2-core machine idle; two workers keep both busy. Every process of the suite runs
+   with one OpenMP thread: with torch's default two threads per process and more processes
+   than cores, a 3-second in-process training test ran past the 300-second timeout.
+2. The unit tests whose launches have deadlines of seconds (`SERIAL`: a 6-second collective
+   timeout, a rank named "within seconds", restarts, 8 ranks on 2 cores), in one plain session,
+   so that nothing else competes for the cores while they run.
+3. The distributed session (tests/distributed_session.py: 4 ranks, one process group).
+
+Every test runs; the run fails if any session fails.
 """
 
 from __future__ import annotations
@@ -18,44 +21,47 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-UNIT_WORKERS = "2"
+
+SERIAL = (
+    "tests/unit/test_hang_free.py",
+    "tests/unit/test_rank_errors.py",
+    "tests/unit/test_restart.py",
+    "tests/unit/test_resume_and_signals.py",
+    "tests/unit/test_two_nodes.py",
+    "tests/unit/test_eight_ranks.py",
+)
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15"]
 
 
-def unit_command() -> list[str]:
-    """The unit suite on two workers, groups handed out longest first."""
-    return [sys.executable, "-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider", "-n", UNIT_WORKERS,
-            "--dist", "loadgroup", "--durations=15"]
+def sessions() -> list[tuple[str, list[str]]]:
+    """(name, command) of each session, in the order they run."""
+    parallel = [*PYTEST, "tests/unit", "-n", "2", "--dist", "loadgroup", "--max-worker-restart", "0",
+                *(f"--ignore={path}" for path in SERIAL)]
+    return [("unit tests on two workers", parallel),
+            ("unit tests with deadlines, alone", [*PYTEST, *SERIAL]),
+            ("distributed session", [sys.executable, str(ROOT / "tests" / "distributed_session.py")])]
 
 
 def main() -> int:
-    """Runs both sessions; prints the distributed one's output after the unit suite's; 0 only if
-    both passed."""
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="dtmega-suite-") as scratch:
-        log_path = Path(scratch, "distributed.log")
-        with open(log_path, "w") as log:
-            distributed = subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_session.py")],
-                                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            try:
-                unit = subprocess.run(unit_command(), cwd=ROOT).returncode
-            except KeyboardInterrupt:
-                distributed.terminate()
-                raise
-            unit_minutes = (time.monotonic() - started) / 60
-            print(f"\n===== unit suite: {'passed' if unit == 0 else 'FAILED'} after {unit_minutes:.1f} min; "
-                  "the distributed session (4 ranks, started alongside) =====", flush=True)
-            code = distributed.wait()
-        sys.stdout.write(log_path.read_text(errors="replace"))
+    """Runs the sessions one after the other (all of them, even after a failure); 0 only if
+    every one passed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started, failed = time.monotonic(), []
+    for name, command in sessions():
+        begun = time.monotonic()
+        code = subprocess.run(command, cwd=ROOT, env=env).returncode
+        print(f"\n===== {name}: {'passed' if code == 0 else 'FAILED'} in {(time.monotonic() - begun) / 60:.1f} min "
+              "=====\n", flush=True)
+        if code != 0:
+            failed.append(name)
     total = (time.monotonic() - started) / 60
-    print(f"\n===== unit suite {'passed' if unit == 0 else 'FAILED'}, distributed session "
-          f"{'passed' if code == 0 else 'FAILED'}; {total:.1f} min in all =====", flush=True)
-    return 0 if unit == 0 and code == 0 else 1
+    print(f"===== {'FAILED: ' + ', '.join(failed) if failed else 'all sessions passed'}; {total:.1f} min in all =====",
+          flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -118,7 +118,10 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     """Checks the arguments and files and derives the run; ArgumentError (the same on every
     rank) for anything that cannot run."""
     reject_unsupported(args)
-    missing = [flag for flag, value in (("--train-iters", args.train_iters), ("--lr", args.lr)) if value is None]
+    length = args.train_iters if args.train_samples is None else args.train_samples
+    missing = [flag for flag, value in (("--train-iters (or --train-samples)", length), ("--lr", args.lr))
+               if value is None]
+    args.check_schedule()
     if missing or not args.data_path:
         raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
     token_spec = tokenizer_spec(args)
@@ -130,6 +133,8 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         args, note = apply_auto_plan(args, *model_of(args, tokenizer.vocab_size), world)
         notes.append(note)
     shape = run_shape(args, world)
+    args.schedules(shape.global_batch)  # lengths that cannot make a schedule fail here, not after start-up
+    args.total_steps(shape.global_batch)
     spec, config = model_of(args, tokenizer.vocab_size)
     fresh = fresh_start_note(args.load, args.save)
     if fresh is not None:

@@ -1,5 +1,11 @@
-"""Learning-rate schedules with Megatron's semantics: linear warmup from 0, then constant,
-linear, cosine or WSD (warmup-stable-decay) down to min_lr at lr_decay_iters."""
+"""Learning-rate and weight-decay schedules with Megatron's semantics: linear warmup from
+--lr-warmup-init (0 by default), then constant, linear, cosine or WSD (warmup-stable-decay) down
+to min_lr at the decay's end; weight decay constant, or rising from --start-weight-decay to
+--end-weight-decay over the run (linear or cosine).
+
+Lengths are in optimizer steps and may be fractional: a sample-based schedule (--train-samples,
+--lr-decay-samples, --lr-warmup-samples, --lr-warmup-fraction) is the same schedule with its
+sample counts divided by the global batch, so equal numbers give equal learning rates."""
 
 from __future__ import annotations
 
@@ -15,11 +21,12 @@ class LRSchedule:
 
     max_lr: float
     min_lr: float
-    warmup_steps: int
-    decay_steps: int
+    warmup_steps: float
+    decay_steps: float
     style: str = "linear"
-    wsd_decay_steps: int | None = None
+    wsd_decay_steps: float | None = None
     wsd_style: str = "linear"
+    init_lr: float = 0.0  # where the warmup starts (--lr-warmup-init)
 
     def __post_init__(self) -> None:
         if self.style not in ("constant", "linear", "cosine", "WSD"):
@@ -33,7 +40,7 @@ class LRSchedule:
 
     def __call__(self, step: int) -> float:
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup_steps
         if self.style == "constant":
             return self.max_lr
         if step > self.decay_steps:
@@ -55,3 +62,21 @@ class LRSchedule:
             ratio = (step - self.warmup_steps) / span
             coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+
+@dataclass
+class WeightDecaySchedule:
+    """weight_decay(step) for step = 1, 2, ...: constant, or from `start` to `end` over
+    `increment_steps` (Megatron's --weight-decay-incr-style linear or cosine), `end` after."""
+
+    start: float
+    end: float
+    increment_steps: float
+    style: str = "constant"
+
+    def __call__(self, step: int) -> float:
+        if self.style == "constant" or step > self.increment_steps:
+            return self.end
+        ratio = step / self.increment_steps
+        coeff = ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start + coeff * (self.end - self.start)

@@ -44,7 +44,6 @@ from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_
 from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
-from dtmega.train.schedule import LRSchedule
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
 from dtmega.train.straggler import StragglerLog
 from dtmega.train.watch import (
@@ -118,7 +117,8 @@ class Trainer:
         self.shape, self.tokenizer_spec, self.tokenizer = run.shape, run.tokenizer_spec, run.tokenizer
         self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy
         g = self.shape.global_batch
-        sizes = {"train": args.train_iters * g, "valid": args.eval_iters * g, "test": args.eval_iters * g}
+        self.train_iters = args.total_steps(g)  # --train-iters, or --train-samples over the global batch
+        sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g, "test": args.eval_iters * g}
         self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
@@ -142,10 +142,7 @@ class Trainer:
             self.pm.init_weights(seed=args.seed)
         self.optimizer = adamw(self.pm.module, lr=args.lr, weight_decay=args.weight_decay,
                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-        self.schedule = LRSchedule(
-            args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
-            args.lr_decay_style, args.lr_wsd_decay_iters, args.lr_wsd_decay_style,
-        )
+        self.schedule, self.weight_decay = args.schedules(g)
         self.scaler = None
         if args.fp16:
             static = args.loss_scale is not None
@@ -225,6 +222,8 @@ class Trainer:
                 clip_grads_(params, self.args.clip_grad, norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.schedule(self.iteration + 1)
+                if all(param.ndim > 1 for param in group["params"]):  # norms and biases never decay (adamw)
+                    group["weight_decay"] = self.weight_decay(self.iteration + 1)
             self.optimizer.step()
             self.pm.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -338,13 +337,14 @@ class Trainer:
             health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
                                 last_checkpoint=str(self.loaded) if self.loaded else None,
                                 ln_vocab=math.log(self.config.vocab_size))
-        if self.iteration >= args.train_iters:
+        if self.iteration >= self.train_iters:
+            length = "--train-iters" if args.train_samples is None else "--train-samples / global batch"
             self.console.print(
                 f"[bold yellow]nothing to train:[/bold yellow] the checkpoint is at step {self.iteration} and "
-                f"--train-iters is {args.train_iters}, so this run ends here and saves nothing. Pass a larger "
-                "--train-iters to train on"
+                f"{length} is {self.train_iters}, so this run ends here and saves nothing. Pass a larger "
+                f"{length.split()[0]} to train on"
             )
-        while self.iteration < args.train_iters:
+        while self.iteration < self.train_iters:
             self.progress.mark(self.iteration + 1, "loading data")
             fetch_start = time.perf_counter()
             batch = next(self.loader).to(self.device_type)
@@ -359,7 +359,7 @@ class Trainer:
             window_moe.append(self.moe.last_loss if self.moe else 0.0)
             window_steps += 1
             skipped = skipped + overflow
-            last = self.iteration == args.train_iters
+            last = self.iteration == self.train_iters
             if self.iteration % args.log_interval == 0 or last:
                 if self.device_type == "cuda":
                     torch.cuda.synchronize()

@@ -108,6 +108,7 @@ class ParallelArgs:
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
                                      ("ddp", "fsdp", "hsdp"))
+    use_torch_fsdp2: bool = _opt(False, "Megatron's switch to PyTorch FSDP2: = --data-parallel fsdp")
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
     expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
     expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP; default TP)")
@@ -159,8 +160,10 @@ class ParallelArgs:
     def data_parallel_mode(self) -> str:
         """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
         if self.data_parallel:
+            if self.use_torch_fsdp2 and self.data_parallel == "ddp":
+                raise ArgumentError("--use-torch-fsdp2 and --data-parallel ddp disagree. Fix: keep one")
             return self.data_parallel
-        return "fsdp" if self.use_distributed_optimizer or self.cpu_optimizer else "ddp"
+        return "fsdp" if self.use_distributed_optimizer or self.cpu_optimizer or self.use_torch_fsdp2 else "ddp"
 
     def data_parallel_passes(self, param_dtype: str) -> list[Pass]:
         """DataParallel in the chosen mode (gradients reduced in fp32), then Compile if asked."""
@@ -552,6 +555,19 @@ NOTED_FLAGS = {
     "no_gradient_accumulation_fusion": "Megatron fuses weight-gradient accumulation into its GEMMs (Apex/TE); here "
                                        "FSDP/DDP accumulate gradients between micro-batches in the reduce dtype",
     "distributed_backend": "the backend follows the device (nccl on CUDA, gloo on CPU)",
+    "overlap_grad_reduce": "DDP and FSDP2 overlap the gradient reduction with the backward pass by default (DDP's "
+                           "buckets, FSDP2's reduce-scatter per block)",
+    "overlap_param_gather": "FSDP2 prefetches the next block's all-gather while the current block computes, by "
+                            "default",
+    "accumulate_allreduce_grads_in_fp32": "gradients are always reduced in fp32 here (DataParallel's reduce dtype), "
+                                          "with --bf16 too",
+    "no_bias_dropout_fusion": "dtmega's Llama has neither biases nor dropout, so there is nothing to fuse",
+    "use_rotary_position_embeddings": "RoPE is the position embedding here (--position-embedding-type rope, the "
+                                      "default)",
+    "use_dist_ckpt": "checkpoints are always sharded torch.distributed.checkpoint directories (Megatron's torch_dist "
+                     "is DCP too; `dtmega convert` reads Megatron's)",
+    "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
+                              "(the values of an unsharded init), so no rank ever holds a full copy",
 }
 _NOTED_WITH_VALUE = {"distributed_backend"}
 

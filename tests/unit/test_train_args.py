@@ -288,3 +288,24 @@ def test_the_arguments_are_sections_that_own_their_flags_and_checks_and_cannot_b
     with pytest.raises(FrozenInstanceError):
         args.lr = 2e-3
     assert dataclasses.replace(args, lr=2e-3).lr == 2e-3 and args.lr == 1e-3
+
+
+def test_every_megatron_flag_that_torch_already_covers_is_accepted_with_its_note():
+    """Each noted flag parses (with its value where it takes one) and says why it changes
+    nothing here, one line each."""
+    from dtmega.train.args import _NOTED_WITH_VALUE, NOTED_FLAGS
+
+    for name, reason in NOTED_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        argv = [flag, "x"] if name in _NOTED_WITH_VALUE else [flag]
+        _, notes = parse_train_args(argv)
+        assert notes == [f"{flag} accepted: {reason}"], flag
+
+
+def test_use_torch_fsdp2_is_fully_sharded_data_parallelism():
+    args = parse_train_args(["--use-torch-fsdp2", "--num-layers", "2"])[0]
+    plan = build_plan(args, run_shape(args, 4), 2)
+    assert [p.mode for p in plan.passes if isinstance(p, DataParallel)] == ["fsdp"]
+    with pytest.raises(ArgumentError, match="--use-torch-fsdp2 and --data-parallel ddp disagree"):
+        args = parse_train_args(["--use-torch-fsdp2", "--data-parallel", "ddp"])[0]
+        args.data_parallel_mode()

@@ -480,15 +480,17 @@ class DataArgs:
 
     @property
     def split_weights(self) -> tuple[float, float, float]:
-        """--split as three floats."""
-        try:
-            parts = [float(x) for x in self.split.replace("/", ",").split(",")]
-        except ValueError:
-            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1") from None
-        if len(parts) == 1:
-            parts += [0.0, 0.0]
-        if len(parts) != 3:
-            raise ArgumentError(f"--split {self.split!r} must be three numbers such as 969,30,1")
+        """--split as three floats, read as Megatron reads it: the numbers in the text, whatever
+        separates them ("969,30,1", "99/1/0", or "'99,1,0'" with the quotes a launch script left
+        in), a missing part 0."""
+        numbers = re.findall(r"\d+(?:\.\d*)?|\.\d+", self.split)
+        leftover = re.sub(r"\d+(?:\.\d*)?|\.\d+|[\s,/'\"]", "", self.split)
+        if not numbers or len(numbers) > 3 or leftover:
+            raise ArgumentError(f"--split {self.split!r} must be up to three numbers such as 969,30,1 (train, "
+                                "validation and test proportions)")
+        parts = [float(x) for x in numbers] + [0.0] * (3 - len(numbers))
+        if sum(parts) <= 0:
+            raise ArgumentError(f"--split {self.split!r} gives no document to any part. Fix: e.g. 969,30,1")
         return tuple(parts)  # type: ignore[return-value]
 
 

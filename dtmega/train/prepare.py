@@ -122,6 +122,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     missing = [flag for flag, value in (("--train-iters (or --train-samples)", length), ("--lr", args.lr))
                if value is None]
     args.check_schedule()
+    args.split_weights  # noqa: B018 (a --split that cannot be read fails the dry run as it fails the launch)
     if missing or not args.data_path:
         raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path'] if not args.data_path else []))}")
     token_spec = tokenizer_spec(args)

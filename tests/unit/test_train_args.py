@@ -309,3 +309,18 @@ def test_use_torch_fsdp2_is_fully_sharded_data_parallelism():
     with pytest.raises(ArgumentError, match="--use-torch-fsdp2 and --data-parallel ddp disagree"):
         args = parse_train_args(["--use-torch-fsdp2", "--data-parallel", "ddp"])[0]
         args.data_parallel_mode()
+
+
+@pytest.mark.parametrize("text, weights", [("'99,1,0'", (99.0, 1.0, 0.0)), ("969,30,1", (969.0, 30.0, 1.0)),
+                                           ("99/1/0", (99.0, 1.0, 0.0)), ("98,2", (98.0, 2.0, 0.0)),
+                                           ("100", (100.0, 0.0, 0.0))])
+def test_split_is_read_as_megatron_reads_it(text, weights):
+    """Megatron takes the numbers in --split's text: its FP8 example's `--split '99,1,0'` reaches
+    the program with the quotes when the line is copied into a config."""
+    assert parse_train_args(["--split", text])[0].split_weights == weights
+
+
+@pytest.mark.parametrize("text", ["abc", "1,2,3,4", "0,0,0", "9x,1"])
+def test_a_split_that_means_nothing_is_refused(text):
+    with pytest.raises(ArgumentError, match="--split"):
+        parse_train_args(["--split", text])[0].split_weights

@@ -511,6 +511,12 @@ class CheckpointArgs:
                                "weights, with a fresh optimizer and iteration count (Megatron's --finetune); a "
                                "checkpoint in --load takes precedence, so a restarted run resumes")
     save_hf: str | None = _opt(None, "also write the final checkpoint as a Hugging Face model directory (needs --save)")
+    finetune: bool = _opt(False, "start from --load's weights only: iteration 0, the data from its start, a fresh "
+                                 "optimizer and random state (Megatron's --finetune)")
+    no_load_optim: bool = _opt(False, "resume --load's weights, step and data position with a fresh optimizer")
+    no_load_rng: bool = _opt(False, "resume without restoring the saved random-number generator states")
+    no_save_optim: bool = _opt(False, "save checkpoints without the optimizer state (smaller; resuming them needs "
+                                      "--no-load-optim or --finetune)")
     overwrite_checkpoints: bool = _opt(False, "write into a --save that holds checkpoints this run does not resume "
                                               "(another run's, or ones further along than --load): start over there "
                                               "on purpose; without it such a --save is refused")

@@ -46,6 +46,11 @@ def reject_unsupported(args: TrainArgs) -> None:
     refuse_not_built(args)
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; choose one")
+    loading = [f"--{name.replace('_', '-')}" for name in ("finetune", "no_load_optim", "no_load_rng")
+               if getattr(args, name)]
+    if loading and not args.load:
+        raise ArgumentError(f"{', '.join(loading)} say(s) how to load --load, which is not given. Fix: add --load "
+                            "CHECKPOINT_DIR (a Hugging Face model is loaded weights-only by --load-hf already)")
     if args.save_hf and not args.save:
         raise ArgumentError("--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save")
     if args.save_hf and Path(args.save_hf).is_dir() and any(Path(args.save_hf).iterdir()):

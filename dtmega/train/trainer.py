@@ -27,8 +27,10 @@ from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
 from dtmega.train.checkpoint import (
+    CheckpointError,
     load_checkpoint,
     load_runtime_state,
+    read_state,
     save_checkpoint,
     select_checkpoint,
 )
@@ -158,18 +160,31 @@ class Trainer:
             for note in damaged:
                 self.console.print(f"[bold red]{note}[/bold red]")
             self.loaded = checkpoint
-            state = load_checkpoint(checkpoint, self.pm.module, self.optimizer, pipeline_group=self.pm.pipeline_group())
-            self.iteration, consumed = state["iteration"], state["consumed_samples"]
+            weights_only = args.finetune or args.no_load_optim
+            if not weights_only and read_state(checkpoint).get("optimizer_saved") is False:
+                raise CheckpointError(f"{checkpoint} was saved without the optimizer state (--no-save-optim), so a "
+                                      "resume cannot continue its optimizer. Fix: add --no-load-optim (a fresh "
+                                      "optimizer at its step) or --finetune (its weights from step 0)")
+            state = load_checkpoint(checkpoint, self.pm.module, None if weights_only else self.optimizer,
+                                    restore_rng=not (args.finetune or args.no_load_rng),
+                                    pipeline_group=self.pm.pipeline_group())
+            if not args.finetune:
+                self.iteration, consumed = state["iteration"], state["consumed_samples"]
+                self.run_id = state.get("run_id") or self.run_id  # a resume continues the run it loads
             self.hf_files = state.get("hf_files", {})  # a fine-tune resumed keeps its source's files
-            self.run_id = state.get("run_id") or self.run_id  # a resume continues the run it loads
             template = self.pm.runtime_state_dict()
             missing = self.pm.load_runtime_state_dict(load_runtime_state(checkpoint, template))
             if missing:
                 self.console.print(f"[dim]note: {args.load} holds no state for {len(missing)} run-time entries "
                                    f"(e.g. {missing[0]}: written without FP8?); they start fresh[/dim]")
-            if self.scaler and state.get("loss_scaler"):
+            if self.scaler and state.get("loss_scaler") and not args.finetune:
                 self.scaler.load_state_dict(state["loss_scaler"])
-            self.console.print(f"resumed from {checkpoint} at step {self.iteration} ({consumed} samples consumed)")
+            if args.finetune:
+                self.console.print(f"started from the weights of {checkpoint} (--finetune: step 0, fresh optimizer)")
+            else:
+                fresh = " with a fresh optimizer (--no-load-optim)" if args.no_load_optim else ""
+                self.console.print(f"resumed from {checkpoint} at step {self.iteration} ({consumed} samples "
+                                   f"consumed){fresh}")
         elif args.load_hf:
             from dtmega.interop.hf_checkpoint import HFCheckpoint
             from dtmega.interop.hf_import import files_kept_by_a_run
@@ -252,11 +267,13 @@ class Trainer:
             # that every later reader of the saved tokenizer.json takes the same one
             "tokenizer": {**self.tokenizer_spec.to_dict(), **_eod_token_of(self.tokenizer)},
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            "optimizer_saved": not self.args.no_save_optim,
             **({"hf_files": self.hf_files} if self.hf_files else {}),
         }
 
     def save(self) -> Path:
-        path = save_checkpoint(self.args.save, self.iteration, self.pm.module, self.optimizer, self._state(),
+        optimizer = None if self.args.no_save_optim else self.optimizer
+        path = save_checkpoint(self.args.save, self.iteration, self.pm.module, optimizer, self._state(),
                                tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict(),
                                allow_older=self.args.overwrite_checkpoints or self.resumed_behind_latest)
         self.logger.event(f"saved checkpoint {path}")

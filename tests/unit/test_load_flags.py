@@ -1,0 +1,102 @@
+"""Megatron's checkpoint-loading flags: --finetune, --no-load-optim, --no-load-rng, --no-save-optim.
+
+Each against the plain resume of the same checkpoint: a resume reproduces the uninterrupted run's
+losses; the flags change exactly what they name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtmega.train.args import ArgumentError
+from dtmega.train.checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
+from dtmega.train.trainer import train
+from tests.train_helpers import prepare_corpus, tiny_args
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 6-step run saving at steps 3 and 6 (its corpus, its checkpoint directory, its losses)."""
+    root = tmp_path_factory.mktemp("load_flags")
+    corpus = prepare_corpus(root, documents=120)
+    save = root / "ckpt"
+    result = train(tiny_args(corpus, train_iters=6, save_interval=3, save=str(save), eval_iters=0, log_interval=1))
+    return corpus, save, result.losses
+
+
+def _resume(corpus, load, tmp_path, **flags):
+    return train(tiny_args(corpus, train_iters=6, load=str(resolve_checkpoint(load).parent / "iter_0000003"),
+                           save=str(tmp_path / "again"), eval_iters=0, log_interval=1, **flags))
+
+
+def test_a_plain_resume_reproduces_the_uninterrupted_losses(run, tmp_path):
+    corpus, save, losses = run
+    assert _resume(corpus, save, tmp_path).losses == pytest.approx(losses[3:], rel=1e-5)
+
+
+def test_no_load_optim_resumes_the_step_and_data_with_a_fresh_optimizer(run, tmp_path):
+    """Step 4's loss is computed from the loaded weights, before any update: equal to the
+    uninterrupted run's. Step 5 follows an update by a fresh AdamW (no moments, step count 1),
+    so it differs from the run that kept its optimizer."""
+    corpus, save, losses = run
+    resumed = _resume(corpus, save, tmp_path, no_load_optim=True).losses
+    assert len(resumed) == 3
+    assert resumed[0] == pytest.approx(losses[3], rel=1e-5)
+    assert abs(resumed[1] - losses[4]) > 1e-4 * abs(losses[4])
+
+
+def test_finetune_starts_from_the_weights_at_step_0(run, tmp_path):
+    """--finetune: six steps from iteration 0 over the data from its start, on the trained
+    weights: its first loss (the first batch again) is below the first loss of the run that
+    trained them from random weights."""
+    corpus, save, losses = run
+    tuned = train(tiny_args(corpus, train_iters=6, load=str(save), finetune=True, save=str(tmp_path / "tuned"),
+                            eval_iters=0, log_interval=1))
+    assert len(tuned.losses) == 6
+    assert tuned.losses[0] < losses[0] - 0.1
+    assert read_state(resolve_checkpoint(tmp_path / "tuned"))["iteration"] == 6
+
+
+def test_no_save_optim_writes_no_optimizer_and_its_resume_says_what_to_add(run, tmp_path):
+    corpus, _, losses = run
+    save = tmp_path / "light"
+    light = train(tiny_args(corpus, train_iters=6, save_interval=3, save=str(save), eval_iters=0, log_interval=1,
+                            no_save_optim=True))
+    assert light.losses == pytest.approx(losses, rel=1e-5)  # saving less changes nothing in the run
+    checkpoint = save / "iter_0000003"
+    assert read_state(checkpoint)["optimizer_saved"] is False
+    assert any(name.startswith("model") for name in _dcp_keys(checkpoint))
+    assert not any(name.startswith("optimizer") for name in _dcp_keys(checkpoint))
+    with pytest.raises(CheckpointError, match="saved without the optimizer state.*Fix: add --no-load-optim"):
+        train(tiny_args(corpus, train_iters=6, load=str(checkpoint), save=str(tmp_path / "on"), eval_iters=0))
+    resumed = train(tiny_args(corpus, train_iters=6, load=str(checkpoint), save=str(tmp_path / "on"), eval_iters=0,
+                              log_interval=1, no_load_optim=True))
+    assert resumed.losses[0] == pytest.approx(losses[3], rel=1e-5)
+
+
+def test_no_load_rng_leaves_the_random_state_alone(run):
+    """load_checkpoint restores each rank's saved generator unless told not to (the trainer passes
+    --no-load-rng and --finetune through as restore_rng=False)."""
+    _, save, _ = run
+    from dtmega.train.restore import restore
+
+    checkpoint = resolve_checkpoint(save)
+    model = restore(save)[0].module
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    load_checkpoint(checkpoint, model, restore_rng=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    load_checkpoint(checkpoint, model)
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_loading_flags_without_load_are_refused(run):
+    corpus, _, _ = run
+    with pytest.raises(ArgumentError, match="--finetune, --no-load-rng say\\(s\\) how to load --load, which is not"):
+        train(tiny_args(corpus, train_iters=2, finetune=True, no_load_rng=True))
+
+
+def _dcp_keys(checkpoint) -> list[str]:
+    from dtmega.checkpoint_reader import read_dcp_metadata
+
+    return list(read_dcp_metadata(checkpoint).state_dict_metadata)

@@ -18,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (one dataset each)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    p.add_argument("--tokenizer-model", help="tokenizers JSON file (HuggingFaceTokenizer)")
+    p.add_argument("--tokenizer-model", help="tokenizer.json or a Hugging Face directory (HuggingFaceTokenizer), a "
+                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer)")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer: the token ids are 0..N-1, N is end-of-document")
     p.add_argument("--vocab-file", help="vocab.json (GPT2BPETokenizer)")
     p.add_argument("--merge-file", help="merges.txt (GPT2BPETokenizer)")
     p.add_argument("--eod-token", help="end-of-document token (default: found in the vocabulary)")
@@ -40,7 +42,8 @@ def main(argv: list[str]) -> None:
         raise DtmegaError("--train-tokenizer makes a HuggingFaceTokenizer; drop --tokenizer-type or set it to that")
     if not args.train_tokenizer and args.tokenizer_type is None:
         raise DtmegaError("--tokenizer-type is required (or --train-tokenizer VOCAB_SIZE)")
-    spec = TokenizerSpec(args.tokenizer_type or "byte", args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
+    spec = TokenizerSpec(args.tokenizer_type or "byte", args.tokenizer_model, args.vocab_file, args.merge_file,
+                         args.eod_token, args.vocab_size)
     console = Console(stderr=True)
     result = preprocess(
         PreprocessConfig(

@@ -20,7 +20,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dtmega.kernels.errors import DtmegaError, MissingInput
 
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte")
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer",
+                   "NullTokenizer", "byte")
+# Megatron's SentencePiece types: a `tokenizer.model` given as --tokenizer-model
+SENTENCEPIECE_TYPES = ("Llama2Tokenizer", "GPTSentencePieceTokenizer")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 BPE_EOD = "<|endoftext|>"
 
@@ -174,6 +177,34 @@ class SentencePieceTokenizer:
                            "model": base64.b64encode(self.proto).decode("ascii")})
 
 
+class NullTokenizer:
+    """Megatron's NullTokenizer for data that is already token ids (--tokenizer-type
+    NullTokenizer --vocab-size N): ids 0..N-1 are tokens, N is end-of-document (so the
+    vocabulary is N + 1); text is whitespace-separated ids."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 1:
+            raise DtmegaError(f"--vocab-size {vocab_size}: NullTokenizer needs at least one token id")
+        self.vocab_size = vocab_size + 1
+        self.eod = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(piece) for piece in text.split()]
+        except ValueError:
+            raise DtmegaError("NullTokenizer reads text as whitespace-separated token ids; this text is not. Fix: "
+                              "a tokenizer for the text (--tokenizer-type HuggingFaceTokenizer ...)") from None
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise DtmegaError(f"NullTokenizer: an id outside 0..{self.vocab_size - 1} (--vocab-size {self.eod})")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"dtmega_tokenizer": "null", "vocab_size": self.eod})
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """Where a tokenizer comes from; picklable, so worker processes can rebuild it."""
@@ -183,6 +214,7 @@ class TokenizerSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     eod_token: str | None = None
+    vocab_size: int | None = None  # NullTokenizer's --vocab-size
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -204,6 +236,19 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
         path = _require_file(spec.tokenizer_model, "--tokenizer-model (tokenizer.json, tokenizer.model or a "
                              "Hugging Face tokenizer directory)", spec.tokenizer_type)
         return tokenizer_from_path(path, spec.eod_token)
+    if spec.tokenizer_type in SENTENCEPIECE_TYPES:
+        path = _require_file(spec.tokenizer_model, "--tokenizer-model (the SentencePiece tokenizer.model)",
+                             spec.tokenizer_type)
+        if path.is_dir() or path.suffix == ".json":
+            raise DtmegaError(f"--tokenizer-type {spec.tokenizer_type} reads a SentencePiece tokenizer.model; "
+                              f"{path} is not one. Fix: --tokenizer-type HuggingFaceTokenizer for a tokenizer.json "
+                              "or a Hugging Face directory")
+        return SentencePieceTokenizer(path.read_bytes(), spec.eod_token)
+    if spec.tokenizer_type == "NullTokenizer":
+        if spec.vocab_size is None:
+            raise DtmegaError("--tokenizer-type NullTokenizer needs --vocab-size (the token ids are 0..N-1; N is "
+                              "end-of-document)")
+        return NullTokenizer(spec.vocab_size)
     if spec.tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(spec.vocab_file, "--vocab-file (vocab.json)", spec.tokenizer_type)
         merges = _require_file(spec.merge_file, "--merge-file (merges.txt)", spec.tokenizer_type)
@@ -218,6 +263,8 @@ def tokenizer_from_json(text: str, eod_token: str | None = None) -> Tokenizer:
     """Rebuilds a tokenizer from `to_json()` output (how checkpoints carry their tokenizer)."""
     if text.lstrip().startswith('{"dtmega_tokenizer": "byte"'):
         return ByteTokenizer()
+    if text.lstrip().startswith('{"dtmega_tokenizer": "null"'):
+        return NullTokenizer(int(json.loads(text)["vocab_size"]))
     if text.lstrip().startswith('{"dtmega_tokenizer": "sentencepiece"'):
         saved = json.loads(text)
         return SentencePieceTokenizer(base64.b64decode(saved["model"]), eod_token or saved["eod_token"])

@@ -32,6 +32,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-file")
     parser.add_argument("--merge-file")
     parser.add_argument("--eod-token")
+    parser.add_argument("--vocab-size", type=int, help="NullTokenizer: the token ids are 0..N-1, N is end-of-document")
 
 
 def convert_megatron(a: argparse.Namespace) -> Path:
@@ -49,7 +50,7 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
                                 a.use_rope_scaling, a.rope_scaling_factor, a.norm_epsilon, a.max_position_embeddings)
     config = llama_config_from_megatron(checkpoint, arch)
-    spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token)
+    spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token, a.vocab_size)
     tokenizer = build_tokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:
         raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dtmega.data.tokenizers import TOKENIZER_TYPES
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import NAMED_CONFIGS
 from dtmega.passes import (
@@ -463,12 +464,16 @@ class OptimizerArgs:
 @dataclass(frozen=True)
 class DataArgs:
     """The data: dataset prefixes and split, tokenizer, document handling, order."""
+    # sizes and counts that must be >= 1 when given
+    at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size",)
 
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
-    tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing",
-                                      ("HuggingFaceTokenizer", "GPT2BPETokenizer", "byte"))
-    tokenizer_model: str | None = _opt(None, "tokenizers JSON file (HuggingFaceTokenizer)")
+    tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing", TOKENIZER_TYPES)
+    tokenizer_model: str | None = _opt(None, "tokenizer.json or a Hugging Face directory (HuggingFaceTokenizer), a "
+                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer)")
+    vocab_size: int | None = _opt(None, "NullTokenizer (pre-tokenized data): the token ids are 0..N-1, N is "
+                                        "end-of-document")
     vocab_file: str | None = _opt(None, "vocab.json (GPT2BPETokenizer)")
     merge_file: str | None = _opt(None, "merges.txt (GPT2BPETokenizer)")
     eod_token: str | None = _opt(None, "end-of-document token (default: found in the vocabulary)")
@@ -499,11 +504,11 @@ class CheckpointArgs:
     """Checkpoints, evaluation, logging and the collective timeout."""
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "eval_interval", "log_interval",
-        "straggler_minmax_count")
+        "straggler_minmax_count", "exit_interval")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed")
     # strictly positive reals
-    positive: ClassVar[tuple[str, ...]] = ("distributed_timeout_minutes",)
+    positive: ClassVar[tuple[str, ...]] = ("distributed_timeout_minutes", "exit_duration_in_mins")
 
     save: str | None = _opt(None, "checkpoint directory to write")
     load: str | None = _opt(None, "checkpoint directory (or iter_* directory) to resume from")
@@ -521,6 +526,10 @@ class CheckpointArgs:
                                               "(another run's, or ones further along than --load): start over there "
                                               "on purpose; without it such a --save is refused")
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
+    exit_interval: int | None = _opt(None, "stop (after saving, with --save) at the first step that is a multiple of "
+                                           "this")
+    exit_duration_in_mins: float | None = _opt(None, "stop (after saving, with --save) at the first step after this "
+                                                     "many minutes since the start (all ranks agree on the step)")
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")
     log_interval: int = _opt(100, "steps between metric logs")
@@ -530,6 +539,8 @@ class CheckpointArgs:
     distributed_timeout_minutes: float = _opt(10.0, "how long a rank waits for the others at start-up and in any "
                                                     "collective before the run stops naming who is missing")
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
+    log_params_norm: bool = _opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
+    log_num_zeros_in_grad: bool = _opt(False, "log how many gradient entries are exactly zero (one count per step)")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
     seed: int = _opt(1234, "random seed (init and data order)")
 
@@ -574,6 +585,9 @@ NOTED_FLAGS = {
                                       "default)",
     "use_dist_ckpt": "checkpoints are always sharded torch.distributed.checkpoint directories (Megatron's torch_dist "
                      "is DCP too; `dtmega convert` reads Megatron's)",
+    "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
+    "log_validation_ppl_to_tensorboard": "validation perplexity is always written to TensorBoard (valid/val_ppl)",
+    "log_memory_to_tensorboard": "memory_gib is written to TensorBoard at every log step",
     "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
                               "(the values of an unsharded init), so no rank ever holds a full copy",
 }

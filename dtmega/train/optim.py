@@ -63,6 +63,47 @@ def grad_norm(parameters, pipeline_group=None) -> torch.Tensor:
     return total.sqrt()
 
 
+@torch.no_grad()
+def params_norm(parameters, pipeline_group=None) -> float:
+    """The L2 norm of all parameters as if unsharded (--log-params-norm), identical on every
+    rank; grouped like `grad_norm`."""
+    groups = defaultdict(list)
+    for param in parameters:
+        groups[_group_key(param)].append(param.detach())
+    return _summed_norm(groups.values(), pipeline_group)
+
+
+@torch.no_grad()
+def zeros_in_grad(parameters, pipeline_group=None) -> int:
+    """How many gradient entries are exactly zero, counted over the unsharded gradients
+    (--log-num-zeros-in-grad); identical on every rank."""
+    total = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        if param.grad is None:
+            continue
+        count = (param.grad == 0).sum()
+        if isinstance(count, DTensor):
+            count = count.full_tensor()
+        total += count.double().cpu()
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
+    return int(total.item())
+
+
+def _summed_norm(groups, pipeline_group) -> float:
+    total = None
+    for tensors in groups:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors), 2.0)), 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = norm.float() ** 2 if total is None else total + norm.float() ** 2
+    if total is None:
+        return 0.0
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
+    return float(total.sqrt())
+
+
 def global_grad_norm(parameters, pipeline_group=None) -> float:
     """`grad_norm` as a Python float (synchronizes with the device)."""
     return float(grad_norm(parameters, pipeline_group))

@@ -218,4 +218,8 @@ def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
         return TokenizerSpec("HuggingFaceTokenizer", args.tokenizer_model or args.load_hf, eod_token=args.eod_token)
     if args.tokenizer_type is None:
         raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
-    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        raise ArgumentError(f"--vocab-size is NullTokenizer's (the ids of pre-tokenized data); --tokenizer-type "
+                            f"{args.tokenizer_type} has its own vocabulary. Fix: drop --vocab-size")
+    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token,
+                         args.vocab_size)

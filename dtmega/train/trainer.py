@@ -42,7 +42,7 @@ from dtmega.train.metrics import (
     memory_gib,
     peak_flops,
 )
-from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, scale_grads
+from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, params_norm, scale_grads, zeros_in_grad
 from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
@@ -99,6 +99,7 @@ class Trainer:
 
     def _set_up(self, args: TrainArgs, notes: list[str], mesh=None) -> None:
         """Everything `run()` needs: checks, process group, model, plan, checkpoint, data."""
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
         self.device_type = default_device_type()
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
@@ -223,6 +224,8 @@ class Trainer:
         if scale != 1.0:
             scale_grads(params, 1.0 / scale)
         norm = grad_norm(params, self.pm.pipeline_group())
+        if self.args.log_num_zeros_in_grad:
+            self.zeros_in_grad = zeros_in_grad(params, self.pm.pipeline_group())
         finite = torch.isfinite(norm)
         if not self.args.no_check_for_nan_in_loss_and_grad:
             finite = finite & torch.isfinite(loss.detach())  # a non-finite loss never updates the weights
@@ -296,6 +299,21 @@ class Trainer:
         if problem:
             raise DtmegaError(problem)
         self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
+
+    def _exit_reason(self) -> str | None:
+        """Why the run stops after this step (--exit-interval, --exit-duration-in-mins), or None.
+        The duration is agreed on by every rank (one all-reduce of a flag per step, only with the
+        flag), so all of them save and stop at the same step."""
+        args = self.args
+        if args.exit_interval and self.iteration % args.exit_interval == 0:
+            return f"--exit-interval {args.exit_interval}"
+        if args.exit_duration_in_mins is None:
+            return None
+        minutes = (time.monotonic() - self.started) / 60
+        over = torch.tensor([1.0 if minutes > args.exit_duration_in_mins else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} reached" if over.item() > 0 else None
 
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:
@@ -395,16 +413,21 @@ class Trainer:
                     "memory_gib": memory_gib(self.device_type), "skipped_steps": int(skipped),
                     "consumed_samples": self.loader.consumed_samples,
                     **({"loss_scale": self.scaler.scale} if self.scaler else {}),
+                    **({"params_norm": params_norm(self.pm.parameters(), self.pm.pipeline_group())}
+                       if args.log_params_norm else {}),
+                    **({"num_zeros_in_grad": self.zeros_in_grad} if args.log_num_zeros_in_grad else {}),
                     **moe, **stragglers,
                 })
                 if straggler_line:
                     self.console.print(straggler_line)
                 self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
-            if self.iteration % args.eval_interval == 0 or last:
+            stop = None if last else self._exit_reason()
+            if self.iteration % args.eval_interval == 0 and not last and stop is None:
                 self.progress.mark(self.iteration, "validation")
                 self.validate(result)
-            if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last):
+            if args.save and ((args.save_interval and self.iteration % args.save_interval == 0) or last
+                              or stop is not None):
                 if health is None or health.may_save():
                     self.progress.mark(self.iteration, "checkpoint save")
                     result.checkpoint = self.save()
@@ -414,10 +437,16 @@ class Trainer:
                     bad, kind = (health.streak, "non-finite") if health.streak else (health.dead, "dead")
                     self.console.print(f"[bold yellow]not saving at step {self.iteration}:[/bold yellow] "
                                        f"{len(bad)} {kind} steps in a row (since step {bad[0]})")
+            if last:  # after the final checkpoint: however long it takes, the run's weights are saved
+                self.progress.mark(self.iteration, "validation")
+                self.validate(result)
+            if stop is not None:
+                self.console.print(f"stopping at step {self.iteration}: {stop}")
+                break
         if health is not None:
             health.finish()
         result.iteration = self.iteration
-        if args.save_hf and result.checkpoint is not None:
+        if args.save_hf and result.checkpoint is not None and self.iteration == self.train_iters:
             self.progress.mark(self.iteration, "Hugging Face export")
             self.export_hf(result.checkpoint)
         if result.losses and self.unigram_entropy is not None:

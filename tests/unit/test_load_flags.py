@@ -100,3 +100,60 @@ def _dcp_keys(checkpoint) -> list[str]:
     from dtmega.checkpoint_reader import read_dcp_metadata
 
     return list(read_dcp_metadata(checkpoint).state_dict_metadata)
+
+
+def test_exit_interval_saves_and_stops_and_the_restart_finishes_the_same_run(run, tmp_path):
+    """--exit-interval 4 on the 6-step run: it saves step 4 and stops (exit status 0 from the
+    command); a restart with the same line minus the flag trains steps 5-6 with the uninterrupted
+    losses."""
+    corpus, _, losses = run
+    save = tmp_path / "ckpt"
+    line = dict(train_iters=6, save_interval=3, save=str(save), eval_iters=0, log_interval=1)
+    first = train(tiny_args(corpus, exit_interval=4, **line))
+    assert first.iteration == 4 and first.losses == pytest.approx(losses[:4], rel=1e-5)
+    assert resolve_checkpoint(save).name == "iter_0000004"
+    rest = train(tiny_args(corpus, load=str(save), **line))
+    assert rest.losses == pytest.approx(losses[4:], rel=1e-5)
+
+
+def test_exit_duration_stops_at_the_first_step_past_it_with_a_checkpoint(run, tmp_path):
+    corpus, _, _ = run
+    save = tmp_path / "ckpt"
+    done = train(tiny_args(corpus, train_iters=6, save=str(save), eval_iters=0, exit_duration_in_mins=1e-9))
+    assert done.iteration == 1 and resolve_checkpoint(save).name == "iter_0000001"
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_validation(run, tmp_path, monkeypatch):
+    """A final validation that fails (or is killed) leaves the run's last checkpoint on disk."""
+    corpus, _, _ = run
+    from dtmega.train import trainer as trainer_module
+
+    def validation_dies(*_args, **_kwargs):
+        raise KeyboardInterrupt("killed during the final validation")
+
+    monkeypatch.setattr(trainer_module, "evaluate_loss", validation_dies)
+    save = tmp_path / "ckpt"
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_args(corpus, train_iters=3, eval_interval=100, eval_iters=2, save=str(save)))
+    assert resolve_checkpoint(save).name == "iter_0000003"
+
+
+def test_params_norm_and_zeros_in_grad_are_logged(run, tmp_path):
+    """--log-params-norm logs the norm of every parameter as if unsharded: at the last step it is
+    the norm of the saved weights. --log-num-zeros-in-grad logs a whole count, at most the
+    number of gradient entries."""
+    import json
+
+    from dtmega.train.restore import restore
+
+    corpus, _, _ = run
+    save, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    train(tiny_args(corpus, train_iters=3, save=str(save), eval_iters=0, log_interval=1, log_file=str(log),
+                    log_params_norm=True, log_num_zeros_in_grad=True))
+    records = [json.loads(line) for line in log.read_text().splitlines() if '"params_norm"' in line]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    model = restore(save)[0].module
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert records[-1]["params_norm"] == pytest.approx(float(weights.norm()), rel=1e-5)
+    assert all(isinstance(r["num_zeros_in_grad"], int) and 0 <= r["num_zeros_in_grad"] < weights.numel()
+               for r in records)

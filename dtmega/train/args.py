@@ -61,11 +61,11 @@ class ModelArgs:
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "ffn_hidden_size",
         "num_attention_heads", "num_query_groups", "seq_length", "max_position_embeddings",
-        "make_vocab_size_divisible_by")
+        "make_vocab_size_divisible_by", "kv_channels")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("attention_dropout", "hidden_dropout")
     # strictly positive reals
-    positive: ClassVar[tuple[str, ...]] = ("init_method_std", "norm_epsilon", "rotary_base")
+    positive: ClassVar[tuple[str, ...]] = ("init_method_std", "norm_epsilon", "rotary_base", "rotary_percent")
 
     model: str | None = _opt(None, "a registered model: " + ", ".join(NAMED_CONFIGS) + ", or one of your own "
                                    "(dtmega.models.register_model in a --custom-import module)")
@@ -85,6 +85,9 @@ class ModelArgs:
     norm_epsilon: float = _opt(1e-5, "norm epsilon")
     position_embedding_type: str = _opt("rope", "position embedding", ("rope", "learned_absolute", "none"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
+    rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
+    kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
+    qk_layernorm: bool = _opt(False, "normalize queries and keys per head (not supported yet)")
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
     attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
@@ -538,6 +541,8 @@ class CheckpointArgs:
     straggler_minmax_count: int = _opt(1, "with --log-straggler: how many fastest and slowest ranks to name")
     distributed_timeout_minutes: float = _opt(10.0, "how long a rank waits for the others at start-up and in any "
                                                     "collective before the run stops naming who is missing")
+    ckpt_format: str = _opt("torch_dist", "checkpoint format: torch_dist (sharded torch.distributed.checkpoint "
+                                          "directories, the one format dtmega writes)", ("torch_dist",))
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
     log_params_norm: bool = _opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
     log_num_zeros_in_grad: bool = _opt(False, "log how many gradient entries are exactly zero (one count per step)")
@@ -574,6 +579,8 @@ NOTED_FLAGS = {
     "no_gradient_accumulation_fusion": "Megatron fuses weight-gradient accumulation into its GEMMs (Apex/TE); here "
                                        "FSDP/DDP accumulate gradients between micro-batches in the reduce dtype",
     "distributed_backend": "the backend follows the device (nccl on CUDA, gloo on CPU)",
+    "num_workers": "batches are read from memory-mapped .bin files in the training process itself; there are no "
+                   "loader workers to size",
     "overlap_grad_reduce": "DDP and FSDP2 overlap the gradient reduction with the backward pass by default (DDP's "
                            "buckets, FSDP2's reduce-scatter per block)",
     "overlap_param_gather": "FSDP2 prefetches the next block's all-gather while the current block computes, by "
@@ -591,7 +598,7 @@ NOTED_FLAGS = {
     "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
                               "(the values of an unsharded init), so no rank ever holds a full copy",
 }
-_NOTED_WITH_VALUE = {"distributed_backend"}
+_NOTED_WITH_VALUE = {"distributed_backend", "num_workers"}
 
 def _base_type(annotation: str) -> type:
     text = str(annotation)

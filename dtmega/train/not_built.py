@@ -44,6 +44,15 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              _uniform_groups,
              "one checkpoint per group of N blocks is not supported yet (each block is its own unit). Fix: "
              "--recompute-num-layers 1, or --recompute-method block"),
+    NotBuilt("--kv-channels other than --hidden-size / --num-attention-heads", ("--kv-channels", "32"),
+             lambda a: bool(a.kv_channels and a.hidden_size and a.num_attention_heads
+                            and a.kv_channels * a.num_attention_heads != a.hidden_size),
+             "a head dimension other than the width over the heads is not supported yet. Fix: leave --kv-channels out "
+             "(it is then --hidden-size / --num-attention-heads)"),
+    NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
+             "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
+    NotBuilt("--qk-layernorm", ("--qk-layernorm",), lambda a: a.qk_layernorm,
+             "normalizing queries and keys per head is not supported yet. Fix: leave the flag out"),
     NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),
              lambda a: a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te",
              "Transformer Engine's fused cross entropy is not supported yet. Fix: --cross-entropy-fusion-impl native "

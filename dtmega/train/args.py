@@ -531,6 +531,8 @@ class CheckpointArgs:
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
     exit_interval: int | None = _opt(None, "stop (after saving, with --save) at the first step that is a multiple of "
                                            "this")
+    exit_signal_handler: bool = _opt(False, "on SIGTERM, finish the step, save (with --save) and exit with status 0 "
+                                            "(a preemption's clean stop; without it SIGTERM stops at once, status 143)")
     exit_duration_in_mins: float | None = _opt(None, "stop (after saving, with --save) at the first step after this "
                                                      "many minutes since the start (all ranks agree on the step)")
     eval_interval: int = _opt(1000, "steps between validation runs")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -300,6 +302,11 @@ class Trainer:
             raise DtmegaError(problem)
         self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
 
+    def _note_sigterm(self, signum, frame) -> None:
+        """--exit-signal-handler: SIGTERM (a scheduler's preemption) is noted; the step under way
+        finishes, every rank agrees, the run saves and stops with status 0."""
+        self.sigterm = True
+
     def _exit_reason(self) -> str | None:
         """Why the run stops after this step (--exit-interval, --exit-duration-in-mins), or None.
         The duration is agreed on by every rank (one all-reduce of a flag per step, only with the
@@ -307,13 +314,16 @@ class Trainer:
         args = self.args
         if args.exit_interval and self.iteration % args.exit_interval == 0:
             return f"--exit-interval {args.exit_interval}"
-        if args.exit_duration_in_mins is None:
+        if args.exit_duration_in_mins is None and not args.exit_signal_handler:
             return None
         minutes = (time.monotonic() - self.started) / 60
-        over = torch.tensor([1.0 if minutes > args.exit_duration_in_mins else 0.0])
+        flags = torch.tensor([float(args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins),
+                              float(getattr(self, "sigterm", False))])
         if dist.is_initialized():
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} reached" if over.item() > 0 else None
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        if flags[1] > 0:
+            return "SIGTERM received (--exit-signal-handler)"
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} reached" if flags[0] > 0 else None
 
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:
@@ -339,6 +349,9 @@ class Trainer:
     def run(self) -> TrainResult:
         """Trains to --train-iters; a collective that times out becomes a DistributedTimeout
         naming where every rank is (watch.py)."""
+        previous = None
+        if self.args.exit_signal_handler and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._note_sigterm)  # replaces the CLI's stop-at-once
         try:
             return self._run()
         except Exception as error:
@@ -348,6 +361,8 @@ class Trainer:
                 raise self.progress.explain_lost_peer(error) from None
             raise
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             if self.save_lock is not None:
                 self.save_lock.release()
 

@@ -157,3 +157,41 @@ def test_params_norm_and_zeros_in_grad_are_logged(run, tmp_path):
     assert records[-1]["params_norm"] == pytest.approx(float(weights.norm()), rel=1e-5)
     assert all(isinstance(r["num_zeros_in_grad"], int) and 0 <= r["num_zeros_in_grad"] < weights.numel()
                for r in records)
+
+
+def test_exit_signal_handler_saves_on_sigterm_exits_0_and_the_restart_resumes_the_same_losses(run, tmp_path):
+    """A preemption: SIGTERM to `dtmega train --exit-signal-handler` mid-run. The step under way
+    finishes, the run saves it and exits 0 (without the flag: status 143, nothing saved beyond the
+    last checkpoint). Restarted with the same line, it continues with the losses of a run never
+    interrupted (constant learning rate; every run stops with --exit-interval two steps later)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    corpus, _, _ = run
+    save, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    line = dict(train_iters=300, lr_decay_style="constant", lr_warmup_iters=0, eval_iters=0, log_interval=1)
+    argv = tiny_args(corpus, save=str(save), save_interval=1000, log_file=str(log), exit_signal_handler=True, **line)
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, "-m", "dtmega", "train", *argv], cwd=root, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 2):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-3000:]
+    steps = [json.loads(x)["step"] for x in log.read_text().splitlines() if '"loss"' in x]
+    stopped = steps[-1]
+    assert 2 <= stopped < 300 and f"stopping at step {stopped}: SIGTERM received" in out + err
+    assert resolve_checkpoint(save).name == f"iter_{stopped:07d}"
+    resumed = train(tiny_args(corpus, load=str(save), save=str(save), exit_interval=stopped + 2, **line))
+    reference = train(tiny_args(corpus, exit_interval=stopped + 2, **line))
+    assert len(resumed.losses) == 2
+    assert resumed.losses == pytest.approx(reference.losses[-2:], rel=1e-5)

@@ -625,11 +625,20 @@ class _Parser(argparse.ArgumentParser):
         for word in message.replace(",", " ").split():
             if word.startswith("--") and word not in known:
                 name = word.split("=", 1)[0]
-                close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+                close = [guess for guess in difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+                         if _same_first_word(name, guess)][:3]
                 if close:
                     guesses.append(f"{name}: did you mean {' or '.join(close)}?")
         hint = f" ({'; '.join(guesses)})" if guesses else ""
         raise ArgumentError(f"{message}{hint}. Fix: `dtmega train --help` lists every flag")
+
+
+def _same_first_word(flag: str, guess: str) -> bool:
+    """A guess for a mistyped flag must name the same thing: its first word is the flag's (up to
+    a typo). `--ckpt-format` is not `--fp8-format`, nor `--decoupled-lr` `--compile`."""
+    first = flag.removeprefix("--").split("-", 1)[0]
+    other = guess.removeprefix("--").split("-", 1)[0]
+    return difflib.SequenceMatcher(None, first, other).ratio() >= 0.75
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -121,7 +121,7 @@ def test_an_unknown_flag_is_one_line_with_the_closest_flags(corpus):
     with pytest.raises(ArgumentError) as caught:
         parse_train_args([*tiny_args(corpus), "--trian-iters", "5"])
     message = str(caught.value)
-    assert message.startswith("unrecognized arguments: --trian-iters 5 (--trian-iters: did you mean --train-iters or")
+    assert message.startswith("unrecognized arguments: --trian-iters 5 (--trian-iters: did you mean --train-iters")
     assert "\n" not in message and "usage" not in message
 
 

@@ -324,3 +324,21 @@ def test_split_is_read_as_megatron_reads_it(text, weights):
 def test_a_split_that_means_nothing_is_refused(text):
     with pytest.raises(ArgumentError, match="--split"):
         parse_train_args(["--split", text])[0].split_weights
+
+
+@pytest.mark.parametrize("typed, hint", [("--hiden-size", "--hidden-size"), ("--num-layer", "--num-layers"),
+                                         ("--train-smaples", "--train-samples"), ("--ckpt-formt", "--ckpt-format")])
+def test_a_mistyped_flag_gets_the_flag_it_meant(typed, hint):
+    with pytest.raises(ArgumentError, match=f"{typed}: did you mean {hint}"):
+        parse_train_args([typed, "1"])
+
+
+@pytest.mark.parametrize("typed", ["--decoupled-lr", "--overlap-moe-expert-parallel-comm", "--moe-upcycling-x"])
+def test_an_unknown_flag_gets_no_hint_that_names_something_else(typed):
+    """Megatron's flags dtmega lacks: a guess must share their first word, so `--decoupled-lr`
+    is no longer offered `--compile`."""
+    with pytest.raises(ArgumentError) as caught:
+        parse_train_args([typed, "1"])
+    message = str(caught.value)
+    for wrong in ("--compile", "--fp8-", "--moe-layer-freq"):
+        assert f"did you mean {wrong}" not in message, message

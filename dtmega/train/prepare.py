@@ -210,8 +210,28 @@ def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Pla
     with torch.device("meta"):
         model = spec.build(config)
     workload = Workload(args.seq_length, shape.micro_batch, shape.accumulation if shape.pp > 1 else None)
-    dtmega.check_plan(model, shape.mesh_sizes(), plan, workload=workload)
+    try:
+        dtmega.check_plan(model, shape.mesh_sizes(), plan, workload=workload)
+    except dtmega.PlanError as error:  # the fix in the user's terms: flags, not the Python API's arguments
+        error.args = (in_flag_terms(str(error)),)
+        raise
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+# A pass's fix written for the Python API, and the same fix on the command line.
+FLAG_SPELLINGS = {
+    "Float8(backend='transformer_engine')": "--transformer-impl transformer_engine",
+    "Float8(backend='dtmega')": "--transformer-impl local",
+    "backend='dtmega'": "--transformer-impl local (dtmega's own FP8 linear)",
+}
+
+
+def in_flag_terms(message: str) -> str:
+    """A plan error's message with the Python API's spellings of a fix replaced by the trainer's
+    flags (an FP8 backend is `--transformer-impl`, not `backend=`)."""
+    for python, flag in FLAG_SPELLINGS.items():
+        message = message.replace(python, flag)
+    return message
 
 
 def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:

@@ -155,6 +155,8 @@ def test_the_seeds_fp8_command_line_stops_before_any_work(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "needs transformer_engine, which is not installed. Fix: pip install 'dtmega[te]'" in done.stderr
+    assert "or --transformer-impl local (dtmega's own FP8 linear)" in done.stderr  # the fix as a flag
+    assert "backend=" not in done.stderr
     assert not save.exists()
 
 

@@ -123,7 +123,8 @@ class Trainer:
         self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy
         g = self.shape.global_batch
         self.train_iters = args.total_steps(g)  # --train-iters, or --train-samples over the global batch
-        sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g, "test": args.eval_iters * g}
+        # the test split is never read by training: it is not built, so a short one never blocks a run
+        sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g}
         self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")

@@ -1,0 +1,24 @@
+"""A split that training never reads never blocks a run: Megatron's default --split 969,30,1 on a
+small corpus leaves a test part shorter than one sample (a fine-tune's few documents)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dtmega.data.indexed import IndexedDatasetWriter
+from dtmega.train.trainer import train
+from tests.train_helpers import tiny_args
+
+
+def test_a_test_part_shorter_than_a_sample_does_not_stop_training(tmp_path):
+    """1,000 documents: --split 969,30,1 puts only the last (6 tokens) in the test part, less than
+    one 33-token sample; the run trains and validates."""
+    prefix = str(tmp_path / "small_text_document")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    rng = np.random.RandomState(0)
+    for index in range(1000):
+        length = 5 if index == 999 else 40
+        writer.add_document([np.append(rng.randint(0, 256, size=length), 256)])  # byte ids, end-of-document
+    writer.finalize()
+    result = train(tiny_args(prefix, split="969,30,1", train_iters=2, eval_interval=2, eval_iters=1))
+    assert len(result.losses) == 2 and result.validation

@@ -48,12 +48,12 @@ train: $(DEMO)/data/kjv_text_document.idx
 		-m dtmega train --config configs/demo.toml
 	$(PY) -m dtmega generate --load $(DEMO)/checkpoints --prompt "And God said" --max-new-tokens 60
 
-# The unit tests on two pytest-xdist workers, the unit tests with deadlines of seconds alone,
-# then the distributed suite in one 4-rank torchrun session (tests/suite.py;
-# tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
+# The unit tests, then the distributed suite in one 4-rank torchrun session
+# (tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
 # unfinished tests rerun once; docs/testing.md).
 test: lint
-	$(PY) tests/suite.py
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=15
+	$(PY) tests/distributed_session.py
 
 # ruff with the repository's configuration (pyproject.toml [tool.ruff]); the layering test is in tests/unit.
 lint: $(VENV)/.installed-dev

@@ -174,7 +174,8 @@ def main(argv: list[str]) -> None:
     console().print(size.describe() + (f" (--max-batch-size {a.max_batch_size}: the budget holds {size.slots})"
                                        if size.slots < a.max_batch_size else ""), highlight=False)
     console().print(f"serving {name} ({context}-token context, {size.slots} sequences at a time) on {url}: "
-                    f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False)
+                    f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False,
+                    soft_wrap=True)  # one line at any width: scripts (and ServerProcess) read the address from it
     engine.run()
     thread.join()
     if failures:

@@ -87,27 +87,3 @@ def tiny_checkpoint(tmp_path_factory):
     from tests.train_helpers import train_tiny_checkpoint
 
     return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Two workers (`make test` runs this suite under pytest-xdist: -n 2 --dist loadgroup).
-
-# The files that take longest go first, so the other worker drains the rest meanwhile
-# (xdist hands out groups in collection order; the longest first keeps the two workers even).
-_LONGEST_FIRST = ("tests/unit/test_docs.py",)
-
-
-def _group_of(item) -> str:
-    """A test's xdist group: its file (module fixtures such as test_docs' sandbox are built once),
-    except every test that interprets Triton kernels, which share one worker so that the fresh
-    interpreter process of the `interpret` fixture runs them once, not once per worker."""
-    if "interpret" in getattr(item, "fixturenames", ()):
-        return "triton-interpreter"
-    return item.nodeid.split("::")[0]
-
-
-def pytest_collection_modifyitems(config, items):
-    """Groups the tests for pytest-xdist and puts the longest files first (a no-op without it)."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group_of(item)))
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in _LONGEST_FIRST)  # stable: order kept within

@@ -124,6 +124,7 @@ class ParallelArgs:
     hardware: str | None = _opt(None, "with --auto-plan: h100, h200, a100, b200 or a `dtmega calibrate` file "
                                       "(default: the GPU found; required on a CPU)")
     recompute_granularity: str | None = _opt(None, "activation recompute", ("full", "selective"))
+    recompute_activations: bool = _opt(False, "Megatron's short form of --recompute-granularity selective")
     recompute_method: str | None = _opt(None, "which blocks under full recompute", ("uniform", "block"))
     recompute_num_layers: int | None = _opt(None, "blocks per recompute unit (uniform) or recomputed blocks (block)")
     compile: str | None = _opt(None, "torch.compile backend for the blocks (inductor, aot_eager)")
@@ -151,7 +152,10 @@ class ParallelArgs:
         return passes + self._recompute_passes(n_layers)
 
     def _recompute_passes(self, n_layers: int) -> list[Pass]:
-        if self.recompute_granularity == "selective":
+        if self.recompute_activations and self.recompute_granularity == "full":
+            raise ArgumentError("--recompute-activations (selective) and --recompute-granularity full disagree. Fix: "
+                                "keep one")
+        if self.recompute_granularity == "selective" or self.recompute_activations:
             return [Recompute("selective")]
         if self.recompute_granularity == "full":
             if self.recompute_method == "block":

@@ -342,3 +342,12 @@ def test_an_unknown_flag_gets_no_hint_that_names_something_else(typed):
     message = str(caught.value)
     for wrong in ("--compile", "--fp8-", "--moe-layer-freq"):
         assert f"did you mean {wrong}" not in message, message
+
+
+def test_recompute_activations_is_selective_recompute():
+    args = parse_train_args(["--recompute-activations"])[0]
+    plan = build_plan(args, run_shape(args, 4), 2)
+    assert [p.policy for p in plan.passes if isinstance(p, Recompute)] == ["selective"]
+    with pytest.raises(ArgumentError, match="--recompute-activations \\(selective\\) and --recompute-granularity full"):
+        args = parse_train_args(["--recompute-activations", "--recompute-granularity", "full"])[0]
+        build_plan(args, run_shape(args, 4), 2)

@@ -329,7 +329,13 @@ class Trainer:
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:
             return
-        loss = evaluate_loss(self.pm, self.datasets["valid"], self.args, self.shape, self.tokenizer.eod)
+        from dtmega.progress import progress_bar
+
+        # a line when it starts, then every few seconds in a log: a long validation is never silent
+        with progress_bar(f"validation at step {self.iteration}", total=self.args.eval_iters,
+                          unit="batches") as bar:
+            loss = evaluate_loss(self.pm, self.datasets["valid"], self.args, self.shape, self.tokenizer.eod,
+                                 on_batch=bar.advance)
         result.validation.append((self.iteration, loss))
         self.logger.log_validation(self.iteration, loss)
 

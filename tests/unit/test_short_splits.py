@@ -22,3 +22,14 @@ def test_a_test_part_shorter_than_a_sample_does_not_stop_training(tmp_path):
     writer.finalize()
     result = train(tiny_args(prefix, split="969,30,1", train_iters=2, eval_interval=2, eval_iters=1))
     assert len(result.losses) == 2 and result.validation
+
+
+def test_every_validation_says_it_runs_in_the_log(tmp_path, capfd):
+    """A progress line when each validation starts (then every few seconds, and at its end): a
+    long final validation in a log file is never silent."""
+    from tests.train_helpers import prepare_corpus
+
+    corpus = prepare_corpus(tmp_path, documents=120)
+    train(tiny_args(corpus, train_iters=4, eval_interval=2, eval_iters=2))
+    err = capfd.readouterr().err
+    assert "validation at step 2" in err and "validation at step 4" in err

@@ -95,6 +95,7 @@ class GPTDataset:
             )
         self.index = cached_index(spec.cache_path(), lambda: self._build(sequences, tokens_per_epoch))
         self.lengths = data.sequence_lengths
+        self.samples_per_epoch = (tokens_per_epoch - 1) // spec.seq_length  # distinct samples before a repeat
 
     def _build(self, sequences: np.ndarray, tokens_per_epoch: int) -> dict[str, np.ndarray]:
         spec = self.spec

@@ -155,6 +155,12 @@ def main(argv: list[str]):
                              {"valid": iters * shape.global_batch})["valid"]
     if dataset is None:
         raise ArgumentError(f"--split {a.split} leaves no documents to evaluate")
+    distinct = getattr(dataset, "samples_per_epoch", None)
+    if distinct is not None and iters * shape.global_batch > distinct:
+        once = max(1, distinct // shape.global_batch)
+        console().print(f"[yellow]note:[/yellow] the held-out data holds {distinct} samples of {seq_length} tokens; "
+                        f"{iters} batches of {shape.global_batch} read some of them more than once. --eval-iters "
+                        f"{once} reads each at most once", highlight=False)
     with progress_bar("evaluate", total=iters, unit="batches") as bar:
         loss = evaluate_loss(pm, dataset, args, shape, tokenizer.eod, on_batch=bar.advance)
     console().print(f"{iters * shape.global_batch} samples x {seq_length} tokens: loss {loss:.4f}, "

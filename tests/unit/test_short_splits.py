@@ -33,3 +33,21 @@ def test_every_validation_says_it_runs_in_the_log(tmp_path, capfd):
     train(tiny_args(corpus, train_iters=4, eval_interval=2, eval_iters=2))
     err = capfd.readouterr().err
     assert "validation at step 2" in err and "validation at step 4" in err
+
+
+def test_evaluate_says_when_the_held_out_data_is_read_more_than_once(tmp_path, capsys):
+    """`dtmega evaluate --eval-iters N` on held-out data smaller than N batches repeats samples;
+    before, without a word. Now a note says how many distinct samples there are and which
+    --eval-iters reads each at most once."""
+    from dtmega.train.evaluate import main
+    from tests.train_helpers import prepare_corpus
+
+    corpus = prepare_corpus(tmp_path, documents=60)
+    save = tmp_path / "ckpt"
+    train(tiny_args(corpus, train_iters=2, eval_iters=0, save=str(save)))
+    capsys.readouterr()
+    main(["--load", str(save), "--data-path", corpus, "--split", "0,1,0", "--eval-iters", "400"])
+    out = capsys.readouterr().out
+    assert "note: the held-out data holds" in out and "read some of them more than once" in out
+    main(["--load", str(save), "--data-path", corpus, "--split", "0,1,0", "--eval-iters", "1"])
+    assert "note: the held-out data" not in capsys.readouterr().out

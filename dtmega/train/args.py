@@ -113,6 +113,7 @@ class ParallelArgs:
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
                                      ("ddp", "fsdp", "hsdp"))
     use_torch_fsdp2: bool = _opt(False, "Megatron's switch to PyTorch FSDP2: = --data-parallel fsdp")
+    grad_reduce_in_bf16: bool = _opt(False, "reduce gradients across data-parallel ranks in bf16 (default fp32)")
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
     expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
     expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP; default TP)")
@@ -180,7 +181,8 @@ class ParallelArgs:
             raise ArgumentError("--cpu-optimizer keeps each rank's shard of the weights, gradients and Adam state on "
                                 "the host, which needs sharded data parallelism. Fix: --data-parallel fsdp (or hsdp), "
                                 "or drop --data-parallel ddp")
-        passes: list[Pass] = [DataParallel(mode, param_dtype=param_dtype, reduce_dtype="float32",
+        reduce_dtype = "bfloat16" if self.grad_reduce_in_bf16 else "float32"
+        passes: list[Pass] = [DataParallel(mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                            offload=self.cpu_optimizer)]
         if self.compile:
             passes.append(Compile(backend=self.compile))
@@ -513,7 +515,7 @@ class CheckpointArgs:
     at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "eval_interval", "log_interval",
         "straggler_minmax_count", "exit_interval")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
-    at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed")
+    at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed", "manual_gc_interval")
     # strictly positive reals
     positive: ClassVar[tuple[str, ...]] = ("distributed_timeout_minutes", "exit_duration_in_mins")
 
@@ -550,6 +552,15 @@ class CheckpointArgs:
     ckpt_format: str = _opt("torch_dist", "checkpoint format: torch_dist (sharded torch.distributed.checkpoint "
                                           "directories, the one format dtmega writes)", ("torch_dist",))
     tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
+    manual_gc: bool = _opt(False, "turn Python's automatic garbage collector off for the run and collect at "
+                                  "--manual-gc-interval steps and around validations (no collector pauses at "
+                                  "random steps, which stall every rank of a large job)")
+    manual_gc_interval: int = _opt(0, "with --manual-gc: steps between collections (0: only around validations and "
+                                      "at the end)")
+    no_manual_gc_eval: bool = _opt(False, "with --manual-gc: no collection around validations")
+    empty_unused_memory_level: int = _opt(0, "release the CUDA caching allocator's unused blocks: 1 after every "
+                                             "step, 2 also after every validation (0: never; no effect on a CPU)",
+                                          (0, 1, 2))
     log_params_norm: bool = _opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
     log_num_zeros_in_grad: bool = _opt(False, "log how many gradient entries are exactly zero (one count per step)")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
@@ -598,6 +609,10 @@ NOTED_FLAGS = {
                                       "default)",
     "use_dist_ckpt": "checkpoints are always sharded torch.distributed.checkpoint directories (Megatron's torch_dist "
                      "is DCP too; `dtmega convert` reads Megatron's)",
+    "calculate_per_token_loss": "the loss is always the token-weighted mean over the whole global batch (every "
+                                "micro-batch and data-parallel rank), which is what this flag asks of Megatron",
+    "no_create_attention_mask_in_dataloader": "the data loader never builds an attention mask: attention is causal "
+                                              "inside the kernels",
     "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
     "log_validation_ppl_to_tensorboard": "validation perplexity is always written to TensorBoard (valid/val_ppl)",
     "log_memory_to_tensorboard": "memory_gib is written to TensorBoard at every log step",

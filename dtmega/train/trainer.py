@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -326,9 +327,21 @@ class Trainer:
             return "SIGTERM received (--exit-signal-handler)"
         return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} reached" if flags[0] > 0 else None
 
+    def _release_memory(self, after_validation: bool) -> None:
+        """--manual-gc's collections (every --manual-gc-interval steps; around validations unless
+        --no-manual-gc-eval) and --empty-unused-memory-level's CUDA cache release."""
+        args = self.args
+        if args.manual_gc and (after_validation and not args.no_manual_gc_eval
+                               or not after_validation and args.manual_gc_interval
+                               and self.iteration % args.manual_gc_interval == 0):
+            gc.collect()
+        if self.device_type == "cuda" and args.empty_unused_memory_level >= (2 if after_validation else 1):
+            torch.cuda.empty_cache()
+
     def validate(self, result: TrainResult) -> None:
         if self.datasets["valid"] is None or self.args.eval_iters <= 0:
             return
+        self._release_memory(after_validation=True)
         from dtmega.progress import progress_bar
 
         # a line when it starts, then every few seconds in a log: a long validation is never silent
@@ -337,6 +350,7 @@ class Trainer:
             loss = evaluate_loss(self.pm, self.datasets["valid"], self.args, self.shape, self.tokenizer.eod,
                                  on_batch=bar.advance)
         result.validation.append((self.iteration, loss))
+        self._release_memory(after_validation=True)
         self.logger.log_validation(self.iteration, loss)
 
     def _moe_metrics(self, moe_losses: list[float]) -> dict:
@@ -357,6 +371,9 @@ class Trainer:
         """Trains to --train-iters; a collective that times out becomes a DistributedTimeout
         naming where every rank is (watch.py)."""
         previous = None
+        collecting = gc.isenabled()
+        if self.args.manual_gc:
+            gc.disable()  # collected at --manual-gc-interval steps and around validations instead
         if self.args.exit_signal_handler and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, self._note_sigterm)  # replaces the CLI's stop-at-once
         try:
@@ -368,6 +385,8 @@ class Trainer:
                 raise self.progress.explain_lost_peer(error) from None
             raise
         finally:
+            if self.args.manual_gc and collecting:
+                gc.enable()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             if self.save_lock is not None:
@@ -410,6 +429,7 @@ class Trainer:
             self.progress.mark(self.iteration + 1, "forward/backward and optimizer step")
             loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
+            self._release_memory(after_validation=False)
             if health is not None:
                 health.record(self.iteration, loss, norm)  # checks the step before this one
             window_losses.append(loss)

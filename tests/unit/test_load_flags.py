@@ -195,3 +195,45 @@ def test_exit_signal_handler_saves_on_sigterm_exits_0_and_the_restart_resumes_th
     reference = train(tiny_args(corpus, exit_interval=stopped + 2, **line))
     assert len(resumed.losses) == 2
     assert resumed.losses == pytest.approx(reference.losses[-2:], rel=1e-5)
+
+
+def test_manual_gc_turns_the_collector_off_and_collects_at_its_interval_and_around_validations(run, monkeypatch):
+    """--manual-gc --manual-gc-interval 2 over 4 steps validating at 2 and 4: the automatic
+    collector is off during the run and back on after it; collections at steps 2 and 4 and
+    before and after each of the two validations (6); none of the latter with --no-manual-gc-eval."""
+    from dtmega.train import trainer as trainer_module
+
+    class Collector:
+        def __init__(self):
+            self.enabled, self.collections, self.seen_disabled = True, 0, False
+
+        def isenabled(self):
+            return self.enabled
+
+        def disable(self):
+            self.enabled = False
+
+        def enable(self):
+            self.enabled = True
+
+        def collect(self):
+            self.collections += 1
+            self.seen_disabled |= not self.enabled
+
+    corpus, _, _ = run
+    for flags, expected in (({}, 6), ({"no_manual_gc_eval": True}, 2)):
+        spy = Collector()
+        monkeypatch.setattr(trainer_module, "gc", spy)
+        train(tiny_args(corpus, train_iters=4, eval_interval=2, eval_iters=1, manual_gc=True, manual_gc_interval=2,
+                        **flags))
+        assert spy.collections == expected and spy.seen_disabled and spy.enabled
+
+
+def test_grad_reduce_in_bf16_reduces_gradients_in_bf16():
+    from dtmega.passes import DataParallel
+    from dtmega.train.args import parse_train_args
+    from dtmega.train.setup import build_plan, run_shape
+
+    args = parse_train_args(["--grad-reduce-in-bf16", "--bf16", "--use-distributed-optimizer"])[0]
+    (data,) = [p for p in build_plan(args, run_shape(args, 4), 2).passes if isinstance(p, DataParallel)]
+    assert (data.mode, data.param_dtype, data.reduce_dtype) == ("fsdp", "bfloat16", "bfloat16")

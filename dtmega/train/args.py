@@ -477,6 +477,8 @@ class DataArgs:
     at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size",)
 
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
+    mock_data: bool = _opt(False, "synthetic samples of the run's shape instead of --data-path (random ids of the "
+                                  "tokenizer's vocabulary: for trying a launch line before the data exists)")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
     tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing", TOKENIZER_TYPES)
     tokenizer_model: str | None = _opt(None, "tokenizer.json or a Hugging Face directory (HuggingFaceTokenizer), a "

@@ -126,7 +126,14 @@ class Trainer:
         self.train_iters = args.total_steps(g)  # --train-iters, or --train-samples over the global batch
         # the test split is never read by training: it is not built, so a short one never blocks a run
         sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g}
-        self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed), sizes)
+        if args.mock_data:
+            from dtmega.data.mock import mock_datasets
+
+            self.datasets = mock_datasets(sizes, args.seq_length, self.tokenizer.vocab_size, self.tokenizer.eod,
+                                          args.seed)
+        else:
+            self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length,
+                                                      args.seed), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
         sizes = self.shape.mesh_sizes()

@@ -92,3 +92,23 @@ def test_training_on_pre_tokenized_data_with_the_null_tokenizer(tmp_path):
     assert as_ids == pytest.approx(as_bytes, rel=1e-5)
     with pytest.raises(ArgumentError, match="--vocab-size is NullTokenizer's"):
         train(tiny_args(corpus, vocab_size=256, **line))
+
+
+def test_mock_data_trains_without_data_files_with_the_null_tokenizer(tmp_path):
+    """Megatron's FP8 example without data: --mock-data --tokenizer-type NullTokenizer
+    --vocab-size N. Samples are the run's shape, the same for every run with the same seed, and
+    never the end-of-document id; nothing to learn, so the loss stays near ln(N)."""
+    import math
+
+    from dtmega.data.mock import MockDataset
+
+    line = dict(data_path=None, mock_data=True, tokenizer_type="NullTokenizer", vocab_size=300, train_iters=3,
+                eval_iters=1, eval_interval=3, log_interval=1)
+    first = train(tiny_args("unused", **line))
+    again = train(tiny_args("unused", **line))
+    assert first.losses == pytest.approx(again.losses, rel=1e-6) and len(first.losses) == 3
+    assert abs(first.losses[0] - math.log(301)) < 0.5
+    sample = MockDataset("train", 4, 32, 301, 300, 1)[2]
+    assert sample.shape == (33,) and sample.max() < 301 and 300 not in sample.tolist()
+    with pytest.raises(ArgumentError, match="--mock-data and --data-path both"):
+        train(tiny_args(str(tmp_path / "x"), mock_data=True, tokenizer_type="NullTokenizer", vocab_size=300))

@@ -89,6 +89,7 @@ class DataConfig:
     split: tuple[float, float, float] = (969.0, 30.0, 1.0)
     seq_length: int = 1024
     seed: int = 1234
+    cache_dir: str | None = None  # --data-cache-path (default: each index beside its data)
 
 
 def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str, GPTDataset | BlendedDataset | None]:
@@ -106,7 +107,8 @@ def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str,
                 continue
             # a 0.5% margin as Megatron, so that rounding never starves a blend component
             share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
-            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity)
+            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity,
+                                  config.cache_dir)
             parts.append((weight, GPTDataset(dataset, spec)))
         if not parts:
             result[name] = None

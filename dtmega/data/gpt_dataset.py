@@ -71,10 +71,14 @@ class GPTDatasetSpec:
     num_samples: int
     seed: int
     data_identity: str = ""  # IndexedDataset.identity: another corpus under the same prefix gets its own index
+    cache_dir: str | None = None  # --data-cache-path: where the index goes (default: beside the data); not hashed
 
     def cache_path(self) -> Path:
-        key = hashlib.sha1(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]
-        return Path(f"{self.prefix}.dtmega-index") / f"{self.split_name}-{key}"
+        hashed = {k: v for k, v in self.__dict__.items() if k != "cache_dir"}
+        key = hashlib.sha1(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
+        if self.cache_dir is None:
+            return Path(f"{self.prefix}.dtmega-index") / f"{self.split_name}-{key}"
+        return Path(self.cache_dir) / f"{Path(self.prefix).name}.dtmega-index" / f"{self.split_name}-{key}"
 
 
 class GPTDataset:

@@ -477,6 +477,8 @@ class DataArgs:
     at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size",)
 
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
+    data_cache_path: str | None = _opt(None, "directory for the sample indices built from the data (default: beside "
+                                             "each dataset; for data on a read-only file system)")
     mock_data: bool = _opt(False, "synthetic samples of the run's shape instead of --data-path (random ids of the "
                                   "tokenizer's vocabulary: for trying a launch line before the data exists)")
     split: str = _opt("969,30,1", "train,valid,test document proportions")

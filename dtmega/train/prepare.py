@@ -168,7 +168,8 @@ def check_outputs(args: TrainArgs) -> None:
 
     from dtmega.writable import existing_ancestor, make_writable_dir
 
-    for flag, value, directory in (("--log-file", args.log_file, False), ("--tensorboard-dir", args.tensorboard_dir, True)):
+    for flag, value, directory in (("--log-file", args.log_file, False), ("--tensorboard-dir", args.tensorboard_dir, True),
+                                   ("--data-cache-path", args.data_cache_path, True)):
         if not value:
             continue
         target = Path(value) if directory else Path(value).parent

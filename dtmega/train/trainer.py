@@ -133,7 +133,7 @@ class Trainer:
                                           args.seed)
         else:
             self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length,
-                                                      args.seed), sizes)
+                                                      args.seed, args.data_cache_path), sizes)
         if self.datasets["train"] is None:
             raise ArgumentError(f"--split {args.split} leaves no training documents")
         sizes = self.shape.mesh_sizes()

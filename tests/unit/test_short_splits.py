@@ -4,6 +4,7 @@ small corpus leaves a test part shorter than one sample (a fine-tune's few docum
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dtmega.data.indexed import IndexedDatasetWriter
 from dtmega.train.trainer import train
@@ -51,3 +52,18 @@ def test_evaluate_says_when_the_held_out_data_is_read_more_than_once(tmp_path, c
     assert "note: the held-out data holds" in out and "read some of them more than once" in out
     main(["--load", str(save), "--data-path", corpus, "--split", "0,1,0", "--eval-iters", "1"])
     assert "note: the held-out data" not in capsys.readouterr().out
+
+
+def test_data_cache_path_holds_the_sample_indices(tmp_path):
+    """Megatron's --data-cache-path: the indices built from the data go there, none beside the
+    data (a corpus on a read-only file system), and a second run reuses them."""
+    from tests.train_helpers import prepare_corpus
+
+    corpus = prepare_corpus(tmp_path / "data", documents=120)
+    cache = tmp_path / "cache"
+    first = train(tiny_args(corpus, train_iters=2, eval_iters=1, eval_interval=2, data_cache_path=str(cache)))
+    built = sorted(p.relative_to(cache) for p in cache.rglob("*.npy"))
+    assert built and not list((tmp_path / "data").rglob("*.dtmega-index"))
+    again = train(tiny_args(corpus, train_iters=2, eval_iters=1, eval_interval=2, data_cache_path=str(cache)))
+    assert again.losses == pytest.approx(first.losses, rel=1e-6)
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*.npy")) == built

@@ -265,7 +265,7 @@ class FP8Args:
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("fp8_amax_history_len",)
     # counts, rates and coefficients where 0 means none but a negative value means nothing
-    at_least_zero: ClassVar[tuple[str, ...]] = ("fp8_min_features", "num_layers_at_start_in_bf16",
+    at_least_zero: ClassVar[tuple[str, ...]] = ("fp8_min_features", "fp8_margin", "num_layers_at_start_in_bf16",
         "num_layers_at_end_in_bf16")
 
     fp8_format: str | None = _opt(None, "train the blocks' linears in FP8: e4m3 everywhere, or hybrid (e4m3 forward, "
@@ -273,6 +273,7 @@ class FP8Args:
     fp8_hybrid: bool = _opt(False, "= --fp8-format hybrid")
     fp8_recipe: str = _opt("delayed", "FP8 scaling", ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"))
     fp8_amax_history_len: int = _opt(1, "delayed scaling: steps of amax history")
+    fp8_margin: int = _opt(0, "scale-factor margin, as a power of 2 (only 0 is supported)")
     fp8_amax_compute_algo: str = _opt("most_recent", "delayed scaling: scale from the history's max or its newest",
                                       ("max", "most_recent"))
     fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (delayed or tensorwise scaling; needs "
@@ -600,6 +601,7 @@ NOTED_FLAGS = {
     "no_gradient_accumulation_fusion": "Megatron fuses weight-gradient accumulation into its GEMMs (Apex/TE); here "
                                        "FSDP/DDP accumulate gradients between micro-batches in the reduce dtype",
     "distributed_backend": "the backend follows the device (nccl on CUDA, gloo on CPU)",
+    "fp8_interval": "Transformer Engine deprecated it: scales are updated every step, as there",
     "num_workers": "batches are read from memory-mapped .bin files in the training process itself; there are no "
                    "loader workers to size",
     "overlap_grad_reduce": "DDP and FSDP2 overlap the gradient reduction with the backward pass by default (DDP's "
@@ -623,7 +625,7 @@ NOTED_FLAGS = {
     "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
                               "(the values of an unsharded init), so no rank ever holds a full copy",
 }
-_NOTED_WITH_VALUE = {"distributed_backend", "num_workers"}
+_NOTED_WITH_VALUE = {"distributed_backend", "num_workers", "fp8_interval"}
 
 def _base_type(annotation: str) -> type:
     text = str(annotation)

@@ -51,6 +51,8 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "(it is then --hidden-size / --num-attention-heads)"),
     NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
              "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
+    NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
+             "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
     NotBuilt("--qk-layernorm", ("--qk-layernorm",), lambda a: a.qk_layernorm,
              "normalizing queries and keys per head is not supported yet. Fix: leave the flag out"),
     NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),

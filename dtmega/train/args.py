@@ -88,6 +88,10 @@ class ModelArgs:
     rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
     kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
     qk_layernorm: bool = _opt(False, "normalize queries and keys per head (not supported yet)")
+    apply_layernorm_1p: bool = _opt(False, "norm weights stored as (1 + w), zero-centred (not supported yet)")
+    attention_backend: str | None = _opt(None, "attention kernel (auto: torch's scaled_dot_product_attention picks it; "
+                                               "the others are not supported yet)",
+                                         ("auto", "flash", "fused", "unfused", "local"))
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
     attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
@@ -373,6 +377,9 @@ class OptimizerArgs:
     lr_warmup_fraction: float | None = _opt(None, "warmup as a fraction of the decay length (instead of "
                                                   "--lr-warmup-iters/--lr-warmup-samples)")
     lr_warmup_init: float = _opt(0.0, "learning rate the warmup starts from")
+    decoupled_lr: float | None = _opt(None, "a separate learning rate for the embedding and output layer (not "
+                                            "supported yet)")
+    decoupled_min_lr: float | None = _opt(None, "with --decoupled-lr: its final learning rate (not supported yet)")
     weight_decay: float = _opt(0.01, "AdamW decay (never on norms and biases)")
     start_weight_decay: float | None = _opt(None, "weight decay at the start, with --weight-decay-incr-style linear "
                                                   "or cosine")
@@ -480,6 +487,7 @@ class DataArgs:
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
     data_cache_path: str | None = _opt(None, "directory for the sample indices built from the data (default: beside "
                                              "each dataset; for data on a read-only file system)")
+    no_mmap_bin_files: bool = _opt(False, "read .bin files without memory mapping (not supported yet)")
     mock_data: bool = _opt(False, "synthetic samples of the run's shape instead of --data-path (random ids of the "
                                   "tokenizer's vocabulary: for trying a launch line before the data exists)")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
@@ -566,6 +574,9 @@ class CheckpointArgs:
     empty_unused_memory_level: int = _opt(0, "release the CUDA caching allocator's unused blocks: 1 after every "
                                              "step, 2 also after every validation (0: never; no effect on a CPU)",
                                           (0, 1, 2))
+    profile: bool = _opt(False, "profile steps --profile-step-start to --profile-step-end (not supported yet)")
+    profile_step_start: int = _opt(10, "with --profile: the first profiled step")
+    profile_step_end: int = _opt(12, "with --profile: the step after the last profiled one")
     log_params_norm: bool = _opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
     log_num_zeros_in_grad: bool = _opt(False, "log how many gradient entries are exactly zero (one count per step)")
     log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")

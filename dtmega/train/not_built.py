@@ -51,6 +51,22 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "(it is then --hidden-size / --num-attention-heads)"),
     NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
              "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
+    NotBuilt("--apply-layernorm-1p", ("--apply-layernorm-1p",), lambda a: a.apply_layernorm_1p,
+             "zero-centred norm weights (stored as 1 + w) are not supported yet. Fix: leave the flag out (the norm "
+             "weights start at 1)"),
+    NotBuilt("--attention-backend other than auto", ("--attention-backend", "fused"),
+             lambda a: a.attention_backend not in (None, "auto"),
+             "choosing the attention kernel is not supported yet: torch's scaled_dot_product_attention picks flash, "
+             "memory-efficient or cuDNN kernels itself. Fix: --attention-backend auto, or leave it out"),
+    NotBuilt("--decoupled-lr/--decoupled-min-lr", ("--decoupled-lr", "5e-4"),
+             lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
+             "a separate learning rate for the embedding and output layer is not supported yet. Fix: leave "
+             "--decoupled-lr and --decoupled-min-lr out (every parameter follows --lr)"),
+    NotBuilt("--no-mmap-bin-files", ("--no-mmap-bin-files",), lambda a: a.no_mmap_bin_files,
+             "reading .bin files without memory mapping is not supported yet. Fix: leave the flag out"),
+    NotBuilt("--profile", ("--profile",), lambda a: a.profile,
+             "the step profiler is not supported yet. Fix: leave --profile out (torch.profiler around a few steps of "
+             "your own script does it meanwhile)"),
     NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
              "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
     NotBuilt("--qk-layernorm", ("--qk-layernorm",), lambda a: a.qk_layernorm,

@@ -131,6 +131,9 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
     notes = []
+    if args.vocab_size is not None and token_spec.tokenizer_type != "NullTokenizer":
+        notes.append(f"--vocab-size {args.vocab_size} is NullTokenizer's; --tokenizer-type {token_spec.tokenizer_type} "
+                     f"has its own vocabulary of {tokenizer.vocab_size} ids, which this run uses (as Megatron does)")
     if args.auto_plan:
         from dtmega.train.auto_plan import apply_auto_plan
 

@@ -218,8 +218,6 @@ def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
         return TokenizerSpec("HuggingFaceTokenizer", args.tokenizer_model or args.load_hf, eod_token=args.eod_token)
     if args.tokenizer_type is None:
         raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
-        raise ArgumentError(f"--vocab-size is NullTokenizer's (the ids of pre-tokenized data); --tokenizer-type "
-                            f"{args.tokenizer_type} has its own vocabulary. Fix: drop --vocab-size")
+    null = args.tokenizer_type == "NullTokenizer"  # --vocab-size is its alone (Megatron ignores it elsewhere too)
     return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token,
-                         args.vocab_size)
+                         args.vocab_size if null else None)

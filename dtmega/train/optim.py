@@ -45,14 +45,18 @@ def grad_norm(parameters, pipeline_group=None) -> torch.Tensor:
     One reduction per (mesh, placements) group of gradients, not one per gradient; with
     pipeline stages, the squared norms of the stages are summed over `pipeline_group`.
     """
+    return _norm([param.grad for param in parameters if param.grad is not None], pipeline_group)
+
+
+def _norm(tensors: list[torch.Tensor], pipeline_group=None) -> torch.Tensor:
+    """The L2 norm of `tensors` as if unsharded: one reduction per (mesh, placements) group;
+    with pipeline stages, the squared norms of the stages summed over `pipeline_group`."""
     groups = defaultdict(list)
-    for param in parameters:
-        if param.grad is not None:
-            groups[_group_key(param.grad)].append(param.grad)
+    for tensor in tensors:
+        groups[_group_key(tensor)].append(tensor)
     total = None
-    for grads in groups.values():
-        norms = torch._foreach_norm(grads, 2.0)
-        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    for members in groups.values():
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(members, 2.0)), 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total = norm.float() ** 2 if total is None else total + norm.float() ** 2
@@ -67,10 +71,7 @@ def grad_norm(parameters, pipeline_group=None) -> torch.Tensor:
 def params_norm(parameters, pipeline_group=None) -> float:
     """The L2 norm of all parameters as if unsharded (--log-params-norm), identical on every
     rank; grouped like `grad_norm`."""
-    groups = defaultdict(list)
-    for param in parameters:
-        groups[_group_key(param)].append(param.detach())
-    return _summed_norm(groups.values(), pipeline_group)
+    return float(_norm([param.detach() for param in parameters], pipeline_group))
 
 
 @torch.no_grad()
@@ -88,20 +89,6 @@ def zeros_in_grad(parameters, pipeline_group=None) -> int:
     if pipeline_group is not None:
         dist.all_reduce(total, group=pipeline_group)
     return int(total.item())
-
-
-def _summed_norm(groups, pipeline_group) -> float:
-    total = None
-    for tensors in groups:
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(tensors), 2.0)), 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = norm.float() ** 2 if total is None else total + norm.float() ** 2
-    if total is None:
-        return 0.0
-    if pipeline_group is not None:
-        dist.all_reduce(total, group=pipeline_group)
-    return float(total.sqrt())
 
 
 def global_grad_norm(parameters, pipeline_group=None) -> float:

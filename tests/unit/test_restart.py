@@ -19,11 +19,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.save_gate import gate_env, make_gate, release, wait_until_held
 from tests.train_helpers import prepare_corpus, tiny_args
 
 STEPS, SAVE_EVERY = 24, 4
@@ -51,16 +51,14 @@ atexit.register(_gloo_threads_at_finalization)
 
 def _probe_dir(run: Path) -> Path:
     probe = run / "exit-probe"
-    probe.mkdir(exist_ok=True)
-    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
-    return probe
+    return make_gate(probe, extra_sitecustomize=EXIT_PROBE)  # the gate holds only where DTMEGA_TEST_GATE is set
 
 
 def _finalized_with_gloo_threads(run: Path) -> list[str]:
     return [f"{path.stem}: {path.read_text()}" for path in sorted((run / "exit-probe").glob("rank*.txt"))]
 
 
-def _launch(corpus: str, run: Path, restarts: int) -> subprocess.Popen:
+def _launch(corpus: str, run: Path, restarts: int, hold_at: int | None = None) -> subprocess.Popen:
     argv = tiny_args(corpus, train_iters=STEPS, save=run / "ckpt", load=run / "ckpt", save_interval=SAVE_EVERY,
                      log_interval=1, eval_iters=0, log_file=run / "metrics.jsonl",
                      tensor_model_parallel_size=2)
@@ -68,6 +66,7 @@ def _launch(corpus: str, run: Path, restarts: int) -> subprocess.Popen:
                "--max-restarts", str(restarts), "-m", "dtmega", "train", *argv]
     probe = _probe_dir(run)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTMEGA_EXIT_PROBE": str(probe),
+           **(gate_env(probe, hold_at) if hold_at else {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(command, stdout=open(run / "out.txt", "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -112,14 +111,13 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_with_the_same_losses
     assert sorted(reference) == list(range(1, STEPS + 1)), out
     assert not _finalized_with_gloo_threads(reference_run), _finalized_with_gloo_threads(reference_run)
 
-    launcher = _launch(corpus, restarted_run, restarts=1)
-    deadline = time.monotonic() + 240
-    while not (restarted_run / "ckpt" / f"iter_{2 * SAVE_EVERY:07d}").exists():
-        assert launcher.poll() is None and time.monotonic() < deadline, (restarted_run / "out.txt").read_text()
-        time.sleep(0.05)
+    launcher = _launch(corpus, restarted_run, restarts=1, hold_at=2 * SAVE_EVERY)
+    gate = restarted_run / "exit-probe"
+    wait_until_held(gate, 2, [launcher], restarted_run / "out.txt")  # both ranks stand after their second save
     victim = _worker_of_rank(launcher.pid, 1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
+    release(gate)
     out = _wait(launcher, restarted_run)
     assert launcher.returncode == 0, out
     resumed_at = int(out.split("resumed from ")[1].split(" at step ")[1].split()[0])

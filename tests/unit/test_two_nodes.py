@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.save_gate import gate_env, make_gate, release, wait_until_held
 from tests.train_helpers import prepare_corpus, tiny_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,13 +63,16 @@ def corpus(tmp_path_factory):
     return prepare_corpus(tmp_path_factory.mktemp("corpus"), documents=120)
 
 
-def _start(nodes, job: str, argv: list[str], logs: Path) -> dict[str, subprocess.Popen]:
-    """Both nodes' torchrun, each in its namespace and its own session (so one can be killed whole)."""
+def _start(nodes, job: str, argv: list[str], logs: Path, gate: dict[str, str] | None = None) -> dict[str, subprocess.Popen]:
+    """Both nodes' torchrun, each in its namespace and its own session (so one can be killed
+    whole); `gate` (tests/save_gate.py) holds both ranks after a save."""
     host = nodes["a"][2]
+    path = os.pathsep.join([gate["DTMEGA_TEST_GATE"], str(ROOT)]) if gate else str(ROOT)
+    extra = [f"{key}={value}" for key, value in (gate or {}).items()]
     running = {}
     for name, (namespace, interface, address) in nodes.items():
         command = ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={interface}", "OMP_NUM_THREADS=1",
-                   f"PYTHONPATH={ROOT}", TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                   f"PYTHONPATH={path}", *extra, TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"{host}:29555", "--rdzv-id", job, "--rdzv-conf", f"is_host={name == 'a'}",
                    "--local-addr", address, "-m", "dtmega", "train", *argv]
         running[name] = subprocess.Popen(command, stdout=open(logs / f"{job}-{name}.log", "w"), stderr=subprocess.STDOUT,
@@ -114,13 +118,13 @@ def test_two_nodes_train_survive_the_loss_of_one_and_resume_with_the_same_losses
     assert sorted(expected) == list(range(1, 9))
 
     save = tmp_path / "ckpt"
-    faulted = _start(nodes, f"cut{TAG}", _argv(corpus, save, tmp_path / "cut.jsonl"), tmp_path)
-    deadline = time.monotonic() + 240
-    while not ((save / "latest").exists() and (save / "latest").read_text().strip() == "iter_0000004"):
-        assert time.monotonic() < deadline and faulted["a"].poll() is None, "the job did not reach its second save"
-        time.sleep(0.2)
+    gate = make_gate(tmp_path / "gate")
+    faulted = _start(nodes, f"cut{TAG}", _argv(corpus, save, tmp_path / "cut.jsonl"), tmp_path, gate_env(gate, at=4))
+    wait_until_held(gate, 2, list(faulted.values()), tmp_path / f"cut{TAG}-a.log")  # both ranks stand after saving step 4
+    assert (save / "latest").read_text().strip() == "iter_0000004"
     _kill_tree(faulted["b"].pid)  # node b is lost: its launcher and its rank, at once
     killed = time.monotonic()
+    release(gate)  # node a goes on to its next collective and finds b gone
     status = faulted["a"].wait(timeout=120)
     waited = time.monotonic() - killed
     log = (tmp_path / f"cut{TAG}-a.log").read_text()

@@ -15,7 +15,7 @@ import importlib
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dtmega.data.tokenizers import TOKENIZER_TYPES
 from dtmega.kernels.errors import DtmegaError
@@ -42,6 +42,9 @@ from dtmega.train.arg_checks import (
     flag_of,
 )
 from dtmega.train.schedule import LRSchedule, WeightDecaySchedule
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ArgumentError(DtmegaError):
@@ -357,7 +360,7 @@ class OptimizerArgs:
     # strictly positive reals
     positive: ClassVar[tuple[str, ...]] = ("adam_eps", "initial_loss_scale", "min_loss_scale", "loss_scale")
     # coefficients in [0, 1): a beta of 1 never forgets, above 1 it grows without bound
-    unit_interval: ClassVar[tuple[str, ...]] = ("adam_beta1", "adam_beta2", "lr_warmup_fraction")
+    unit_interval: ClassVar[tuple[str, ...]] = ("adam_beta1", "adam_beta2", "lr_warmup_fraction", "sgd_momentum")
 
     micro_batch_size: int | None = _opt(None, "sequences per rank per micro-batch (default 1, or from --microbatches)")
     global_batch_size: int | None = _opt(None, "sequences per step (default: micro batch x data-parallel size)")
@@ -380,7 +383,7 @@ class OptimizerArgs:
     decoupled_lr: float | None = _opt(None, "a separate learning rate for the embedding and output layer (not "
                                             "supported yet)")
     decoupled_min_lr: float | None = _opt(None, "with --decoupled-lr: its final learning rate (not supported yet)")
-    weight_decay: float = _opt(0.01, "AdamW decay (never on norms and biases)")
+    weight_decay: float = _opt(0.01, "weight decay (never on norms and biases)")
     start_weight_decay: float | None = _opt(None, "weight decay at the start, with --weight-decay-incr-style linear "
                                                   "or cosine")
     end_weight_decay: float | None = _opt(None, "weight decay at the end of the run, with --weight-decay-incr-style "
@@ -394,6 +397,9 @@ class OptimizerArgs:
     max_skipped_steps: int = _opt(10, "non-finite steps in a row that stop the run as diverged (exit 2)")
     check_for_spiky_loss: bool = _opt(False, "a loss above 10x the recent maximum re-runs its step once on the same "
                                              "batch: reproduced = from the data or model, not = a transient fault")
+    optimizer: str = _opt("adam", "adam (AdamW, decoupled weight decay, as Megatron's adam) or sgd (momentum "
+                                  "--sgd-momentum, L2 weight decay)", ("adam", "sgd"))
+    sgd_momentum: float = _opt(0.9, "momentum of --optimizer sgd")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
@@ -470,6 +476,16 @@ class OptimizerArgs:
             return lr, WeightDecaySchedule(value, value, length)
         return lr, WeightDecaySchedule(self.start_weight_decay, self.end_weight_decay, length,  # type: ignore[arg-type]
                                        self.weight_decay_incr_style)
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The optimizer --optimizer names, over `model`'s (sharded) parameters, with Megatron's
+        groups: no weight decay on norms and biases."""
+        from dtmega.train.optim import adamw, sgd
+
+        if self.optimizer == "sgd":
+            return sgd(model, lr=self.lr or 0.0, weight_decay=self.weight_decay, momentum=self.sgd_momentum)
+        return adamw(model, lr=self.lr or 0.0, weight_decay=self.weight_decay, betas=(self.adam_beta1, self.adam_beta2),
+                     eps=self.adam_eps)
 
     @property
     def compute_dtype(self) -> str:

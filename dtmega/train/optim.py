@@ -12,18 +12,33 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-          eps: float) -> torch.optim.AdamW:
-    """AdamW with no weight decay on norms and biases (every 1-D parameter); the fused CUDA
-    kernel (one launch for all parameters, DTensor parameters included) where every parameter
-    is on a GPU, torch's foreach implementation elsewhere."""
+def _decay_groups(model: torch.nn.Module, weight_decay: float) -> tuple[list[dict], bool]:
+    """The parameter groups Megatron makes: weight decay on matrices, none on norms and biases
+    (every 1-D parameter); and whether every parameter is on a GPU (the fused kernels then:
+    one launch for all parameters, DTensor parameters included)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim <= 1 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = bool(decay + no_decay) and all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused or None)
+    return [g for g in groups if g["params"]], fused
+
+
+def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+          eps: float) -> torch.optim.AdamW:
+    """AdamW (Megatron's `--optimizer adam`: decoupled weight decay) with no weight decay on
+    norms and biases; the fused CUDA kernel where every parameter is on a GPU, torch's foreach
+    implementation elsewhere."""
+    groups, fused = _decay_groups(model, weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+def sgd(model: torch.nn.Module, *, lr: float, weight_decay: float, momentum: float) -> torch.optim.SGD:
+    """SGD with momentum (Megatron's `--optimizer sgd`, `--sgd-momentum`): weight decay is
+    torch's L2 term, as Megatron's SGD applies it, never on norms and biases; fused on GPUs."""
+    groups, fused = _decay_groups(model, weight_decay)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=fused or None)
 
 
 # Reducing a scalar norm over a 2-D mesh takes two all-reduces; torch warns about it once per

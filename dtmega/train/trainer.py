@@ -45,7 +45,7 @@ from dtmega.train.metrics import (
     memory_gib,
     peak_flops,
 )
-from dtmega.train.optim import LossScaler, adamw, clip_grads_, grad_norm, params_norm, scale_grads, zeros_in_grad
+from dtmega.train.optim import LossScaler, clip_grads_, grad_norm, params_norm, scale_grads, zeros_in_grad
 from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
@@ -154,8 +154,7 @@ class Trainer:
             self.pm.materialize()  # the Hugging Face weights are read next: no random values first
         elif self.spec.materialize == "meta":
             self.pm.init_weights(seed=args.seed)
-        self.optimizer = adamw(self.pm.module, lr=args.lr, weight_decay=args.weight_decay,
-                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.optimizer = args.make_optimizer(self.pm.module)
         self.schedule, self.weight_decay = args.schedules(g)
         self.scaler = None
         if args.fp16:
@@ -173,10 +172,16 @@ class Trainer:
                 self.console.print(f"[bold red]{note}[/bold red]")
             self.loaded = checkpoint
             weights_only = args.finetune or args.no_load_optim
-            if not weights_only and read_state(checkpoint).get("optimizer_saved") is False:
+            saved = read_state(checkpoint)
+            if not weights_only and saved.get("optimizer_saved") is False:
                 raise CheckpointError(f"{checkpoint} was saved without the optimizer state (--no-save-optim), so a "
                                       "resume cannot continue its optimizer. Fix: add --no-load-optim (a fresh "
                                       "optimizer at its step) or --finetune (its weights from step 0)")
+            kind = saved.get("args", {}).get("optimizer", "adam")
+            if not weights_only and kind != args.optimizer:
+                raise CheckpointError(f"{checkpoint} holds the state of --optimizer {kind}, and this run asks for "
+                                      f"--optimizer {args.optimizer}. Fix: --optimizer {kind} to resume it, or add "
+                                      "--no-load-optim (a fresh optimizer of the new kind at its step)")
             state = load_checkpoint(checkpoint, self.pm.module, None if weights_only else self.optimizer,
                                     restore_rng=not (args.finetune or args.no_load_rng),
                                     pipeline_group=self.pm.pipeline_group())
@@ -251,7 +256,7 @@ class Trainer:
                 clip_grads_(params, self.args.clip_grad, norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.schedule(self.iteration + 1)
-                if all(param.ndim > 1 for param in group["params"]):  # norms and biases never decay (adamw)
+                if all(param.ndim > 1 for param in group["params"]):  # norms and biases never decay (optim._decay_groups)
                     group["weight_decay"] = self.weight_decay(self.iteration + 1)
             self.optimizer.step()
             self.pm.after_optimizer_step()

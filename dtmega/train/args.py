@@ -564,6 +564,10 @@ class CheckpointArgs:
                                               "(another run's, or ones further along than --load): start over there "
                                               "on purpose; without it such a --save is refused")
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
+    async_save: bool = _opt(False, "write the --save-interval checkpoints in the background (DCP's async_save: the "
+                                   "shards are copied to host memory, then written while training goes on; the "
+                                   "checkpoint is published at the first step every rank has written it). The final "
+                                   "and stopping saves wait")
     exit_interval: int | None = _opt(None, "stop (after saving, with --save) at the first step that is a multiple of "
                                            "this")
     exit_signal_handler: bool = _opt(False, "on SIGTERM, finish the step, save (with --save) and exit with status 0 "

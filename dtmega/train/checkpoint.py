@@ -9,7 +9,8 @@ Layout of `--save DIR`:
 
 A save writes everything into the `.partial` directory, renames it to `iter_*` only when every
 rank has finished, and then points `latest` at it. A process killed mid-save leaves `latest`
-on the previous checkpoint. Loading verifies the manifest (checkpoint_manifest.py); `--load DIR`
+on the previous checkpoint (with --async-save the shards are written by a background thread
+and the rename waits for every rank's write: `SaveInProgress`). Loading verifies the manifest (checkpoint_manifest.py); `--load DIR`
 falls back from a damaged checkpoint to the newest intact one, loudly. Everything is read as data
 (dtmega/checkpoint_reader.py, `weights_only` RNG states), and `latest` never names a directory
 outside DIR.
@@ -22,6 +23,8 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -85,60 +88,109 @@ def save_checkpoint(
     ...) and `state` (iteration, data position, config, ...) as `root/iter_<iteration>`;
     collective over every rank. `latest` never moves back to an older step unless
     `allow_older` (--overwrite-checkpoints): checked on every rank before anything is written."""
-    root = Path(root)
-    final = root / f"iter_{iteration:07d}"
-    partial = root / f".{final.name}.partial"
-    if not allow_older and (root / LATEST).exists():
-        newest, _ = latest_target(root)
-        if newest is not None and int(newest.name.removeprefix("iter_")) > iteration:
-            raise CheckpointError(
-                f"saving step {iteration} into {root} would move its latest back from {newest.name}. Fix: resume "
-                f"with --load {root}, save elsewhere, or pass --overwrite-checkpoints to do so on purpose")
-    if _leader():
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
-    shards: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
-    if runtime:
-        shards["runtime"] = dict(runtime)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    return SaveInProgress.start(root, iteration, model, optimizer, state, tokenizer_json, runtime, allow_older).finish()
 
-    def write_own_files() -> None:
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                   partial / f"rng_rank{rank:05d}.pt")
+
+class SaveInProgress:
+    """One checkpoint being saved. `start` (collective) checks `latest`, snapshots everything the
+    checkpoint holds (the random state too) and writes the DCP shards, in the calling thread, or,
+    with `background_group`, on a copy in a background thread (DCP's `async_save`, its
+    collectives on that group) while training goes on. `finish` (collective) waits for the
+    shards, writes the small files and the manifest, and only then renames `.partial` to
+    `iter_*` and points `latest` at it: a run that dies before `finish` leaves `latest` as it was."""
+
+    def __init__(self, root: Path, final: Path, partial: Path, write: Future | None, problem: str | None,
+                 own_files: dict[str, Any]):
+        self.root, self.final, self.partial = root, final, partial
+        self._write, self._problem, self._own_files = write, problem, own_files
+
+    @classmethod
+    def start(cls, root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+              state: dict[str, Any], tokenizer_json: str | None = None, runtime: dict[str, torch.Tensor] | None = None,
+              allow_older: bool = False, background_group: dist.ProcessGroup | None | bool = False) -> SaveInProgress:
+        """Begins the save; `background_group`: False writes here, None or a (gloo) group writes
+        in the background (None: the default group, for a single process)."""
+        root = Path(root)
+        final = root / f"iter_{iteration:07d}"
+        partial = root / f".{final.name}.partial"
+        if not allow_older and (root / LATEST).exists():
+            newest, _ = latest_target(root)
+            if newest is not None and int(newest.name.removeprefix("iter_")) > iteration:
+                raise CheckpointError(
+                    f"saving step {iteration} into {root} would move its latest back from {newest.name}. Fix: resume "
+                    f"with --load {root}, save elsewhere, or pass --overwrite-checkpoints to do so on purpose")
         if _leader():
-            (partial / STATE).write_text(json.dumps({"format": FORMAT, "manifest": MANIFEST, **state}, indent=2))
-            if tokenizer_json is not None:
-                (partial / TOKENIZER).write_text(tokenizer_json)
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        shards: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
+        if runtime:
+            shards["runtime"] = dict(runtime)
+        own_files = {"rng": {"cpu": torch.get_rng_state(),  # the state at this step, however late it is written
+                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                     "state": {"format": FORMAT, "manifest": MANIFEST, **state}, "tokenizer": tokenizer_json}
+        write, problem = None, None
+        if background_group is False:
+            problem = _write_shards(lambda: dcp.save(shards, checkpoint_id=str(partial)))
+        else:  # staged: DCP copies every shard to host memory before it returns, then writes the copy
+            write = dcp.async_save(shards, checkpoint_id=str(partial), process_group=background_group)
+        return cls(root, final, partial, write, problem, own_files)
 
-    def publish() -> None:
-        if _leader():
-            if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
-                final.unlink()
-            elif final.exists():  # saving the same iteration again: swap the old one out first
-                stale = root / f".{final.name}.stale"
-                shutil.rmtree(stale, ignore_errors=True)
-                os.replace(final, stale)
-                shutil.rmtree(stale)
-            os.replace(partial, final)
-            _write_atomic(root / LATEST, final.name)
+    def written(self) -> bool:
+        """Whether this rank's shards are on disk (always, for a save written in place)."""
+        return self._write is None or self._write.done()
 
+    def finish(self) -> Path:
+        """Collective: waits for the shards, writes the rest, publishes; every rank raises the same
+        CheckpointError if any rank's part failed (the partial save removed, `latest` untouched)."""
+        problem = self._problem
+        if self._write is not None:
+            write, self._write = self._write, None
+            problem = _write_shards(write.result)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        root, partial, final, own = self.root, self.partial, self.final, self._own_files
+
+        def write_own_files() -> None:
+            torch.save(own["rng"], partial / f"rng_rank{rank:05d}.pt")
+            if _leader():
+                (partial / STATE).write_text(json.dumps(own["state"], indent=2))
+                if own["tokenizer"] is not None:
+                    (partial / TOKENIZER).write_text(own["tokenizer"])
+
+        def publish() -> None:
+            if _leader():
+                if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
+                    final.unlink()
+                elif final.exists():  # saving the same iteration again: swap the old one out first
+                    stale = root / f".{final.name}.stale"
+                    shutil.rmtree(stale, ignore_errors=True)
+                    os.replace(final, stale)
+                    shutil.rmtree(stale)
+                os.replace(partial, final)
+                _write_atomic(root / LATEST, final.name)
+
+        if problem is None:
+            problem = _attempt(write_own_files, rank)
+        _fail_together(problem, root, partial, final)
+        _fail_together(_attempt(lambda: write_manifest(partial, [".metadata", STATE, TOKENIZER]), rank), root, partial,
+                       final)
+        _fail_together(_attempt(publish, rank), root, partial, final)
+        return final
+
+
+def _write_shards(write: Callable[[], Any]) -> str | None:
+    """Runs DCP's write of the shards; an OSError on any writer becomes a one-line problem (DCP
+    gathers every writer's error, so every rank is here with the same one)."""
     try:
-        dcp.save(shards, checkpoint_id=str(partial))
-        problem = None
-    except CheckpointException as wrapped:  # DCP gathers every writer's error: every rank is here
+        write()
+        return None
+    except CheckpointException as wrapped:
         problem = _os_problem(wrapped)
         if problem is None:
             raise
-    if problem is None:
-        problem = _attempt(write_own_files, rank)
-    _fail_together(problem, root, partial, final)
-    _fail_together(_attempt(lambda: write_manifest(partial, [".metadata", STATE, TOKENIZER]), rank), root, partial, final)
-    _fail_together(_attempt(publish, rank), root, partial, final)
-    return final
+        return problem
 
 
 def _attempt(step, rank: int) -> str | None:

@@ -31,10 +31,10 @@ from dtmega.moe_runtime import MoERuntime
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
 from dtmega.train.checkpoint import (
     CheckpointError,
+    SaveInProgress,
     load_checkpoint,
     load_runtime_state,
     read_state,
-    save_checkpoint,
     select_checkpoint,
 )
 from dtmega.train.divergence import StepHealth
@@ -141,6 +141,10 @@ class Trainer:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
         self.mesh = mesh if mesh is not None else dtmega.make_mesh(**sizes, device_type=self.device_type)
         self.progress = RankMarks(self.mesh, args.distributed_timeout_minutes)
+        self.saving: SaveInProgress | None = None  # an --async-save checkpoint being written
+        # --async-save: DCP's background writer needs a host (gloo) group of its own, never the one
+        # the training's collectives use from the main thread
+        self.save_group = dist.new_group(backend="gloo") if args.async_save and args.save else None
         if args.save:  # one job per --save directory (save_lock.py), before any weight is built or read
             self.save_lock, lock_note = lock_save_dir(args.save)
             if lock_note:
@@ -290,12 +294,37 @@ class Trainer:
             **({"hf_files": self.hf_files} if self.hf_files else {}),
         }
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path | None:
+        """Saves this step (collective); `background` (--async-save): starts the write and returns
+        None, `finish_background_save` publishes it later. A save in flight is finished first."""
+        self.finish_background_save(wait=True)
         optimizer = None if self.args.no_save_optim else self.optimizer
-        path = save_checkpoint(self.args.save, self.iteration, self.pm.module, optimizer, self._state(),
-                               tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict(),
-                               allow_older=self.args.overwrite_checkpoints or self.resumed_behind_latest)
+        saving = SaveInProgress.start(self.args.save, self.iteration, self.pm.module, optimizer, self._state(),
+                                      tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict(),
+                                      allow_older=self.args.overwrite_checkpoints or self.resumed_behind_latest,
+                                      background_group=self.save_group if background else False)
+        if background:
+            self.saving = saving
+            self.logger.event(f"saving checkpoint {saving.final} in the background")
+            return None
+        path = saving.finish()
         self.logger.event(f"saved checkpoint {path}")
+        return path
+
+    def finish_background_save(self, wait: bool) -> Path | None:
+        """Publishes the --async-save checkpoint in flight (collective) once every rank has written
+        its shards, or at once with `wait`; returns its path when it was published."""
+        if self.saving is None:
+            return None
+        if not wait:
+            written = torch.tensor([int(self.saving.written())], device=self.device_type)
+            if self.shape.world > 1:
+                dist.all_reduce(written, op=dist.ReduceOp.MIN)  # every rank decides alike
+            if not written.item():
+                return None
+        saving, self.saving = self.saving, None
+        path = saving.finish()
+        self.logger.event(f"saved checkpoint {path} (written in the background)")
         return path
 
     def export_hf(self, checkpoint: Path) -> None:
@@ -476,6 +505,12 @@ class Trainer:
                     self.console.print(straggler_line)
                 self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
+            if self.saving is not None:  # publish a background save every rank has written
+                published = self.finish_background_save(wait=False)
+                if published is not None:
+                    result.checkpoint = published
+                    if health is not None:
+                        health.last_checkpoint = str(published)
             stop = None if last else self._exit_reason()
             if self.iteration % args.eval_interval == 0 and not last and stop is None:
                 self.progress.mark(self.iteration, "validation")
@@ -484,9 +519,11 @@ class Trainer:
                               or stop is not None):
                 if health is None or health.may_save():
                     self.progress.mark(self.iteration, "checkpoint save")
-                    result.checkpoint = self.save()
-                    if health is not None:
-                        health.last_checkpoint = str(result.checkpoint)
+                    path = self.save(background=args.async_save and not last and stop is None)
+                    if path is not None:
+                        result.checkpoint = path
+                        if health is not None:
+                            health.last_checkpoint = str(path)
                 else:
                     bad, kind = (health.streak, "non-finite") if health.streak else (health.dead, "dead")
                     self.console.print(f"[bold yellow]not saving at step {self.iteration}:[/bold yellow] "
@@ -497,6 +534,9 @@ class Trainer:
             if stop is not None:
                 self.console.print(f"stopping at step {self.iteration}: {stop}")
                 break
+        published = self.finish_background_save(wait=True)  # one still in flight (the final save was skipped)
+        if published is not None:
+            result.checkpoint = published
         if health is not None:
             health.finish()
         result.iteration = self.iteration

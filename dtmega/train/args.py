@@ -13,12 +13,11 @@ import dataclasses
 import difflib
 import importlib
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dtmega.data.tokenizers import TOKENIZER_TYPES
-from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import NAMED_CONFIGS
 from dtmega.passes import (
     Compile,
@@ -41,21 +40,13 @@ from dtmega.train.arg_checks import (
     check_toml_types,
     flag_of,
 )
+from dtmega.train.arg_fields import ArgumentError
+from dtmega.train.arg_fields import opt as _opt
+from dtmega.train.logging_args import LoggingArgs
 from dtmega.train.schedule import LRSchedule, WeightDecaySchedule
 
 if TYPE_CHECKING:
     import torch
-
-
-class ArgumentError(DtmegaError):
-    """The arguments cannot run; the message names the flag and the fix."""
-
-
-def _opt(default: Any = None, help: str = "", choices: tuple | None = None) -> Any:
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -584,7 +575,6 @@ class CheckpointArgs:
                                                     "collective before the run stops naming who is missing")
     ckpt_format: str = _opt("torch_dist", "checkpoint format: torch_dist (sharded torch.distributed.checkpoint "
                                           "directories, the one format dtmega writes)", ("torch_dist",))
-    tensorboard_dir: str | None = _opt(None, "TensorBoard event directory")
     manual_gc: bool = _opt(False, "turn Python's automatic garbage collector off for the run and collect at "
                                   "--manual-gc-interval steps and around validations (no collector pauses at "
                                   "random steps, which stall every rank of a large job)")
@@ -597,9 +587,6 @@ class CheckpointArgs:
     profile: bool = _opt(False, "profile steps --profile-step-start to --profile-step-end (not supported yet)")
     profile_step_start: int = _opt(10, "with --profile: the first profiled step")
     profile_step_end: int = _opt(12, "with --profile: the step after the last profiled one")
-    log_params_norm: bool = _opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
-    log_num_zeros_in_grad: bool = _opt(False, "log how many gradient entries are exactly zero (one count per step)")
-    log_file: str | None = _opt(None, "metrics.jsonl: one JSON object per logged step")
     seed: int = _opt(1234, "random seed (init and data order)")
 
 
@@ -611,7 +598,7 @@ class LaunchArgs:
                                      "files, plan and layout; print it and exit")
 
 @dataclass(frozen=True)
-class TrainArgs(LaunchArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs, FP8Args, FusionArgs, PipelineArgs,
+class TrainArgs(LaunchArgs, LoggingArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs, FP8Args, FusionArgs, PipelineArgs,
                 ParallelArgs, ModelArgs):
     """All options of a training run (flag --foo-bar is field foo_bar), in sections that each own
     their fields and their range checks (the bases, listed last-first so fields keep the order

@@ -10,8 +10,9 @@ Layout of `--save DIR`:
 A save writes everything into the `.partial` directory, renames it to `iter_*` only when every
 rank has finished, and then points `latest` at it. A process killed mid-save leaves `latest`
 on the previous checkpoint (with --async-save the shards are written by a background thread
-and the rename waits for every rank's write: `SaveInProgress`). Loading verifies the manifest (checkpoint_manifest.py); `--load DIR`
-falls back from a damaged checkpoint to the newest intact one, loudly. Everything is read as data
+and the rename waits for every rank's write: `SaveInProgress`). Loading verifies the manifest
+(checkpoint_manifest.py); `--load DIR` falls back from a damaged checkpoint to the newest
+intact one, loudly. Everything is read as data
 (dtmega/checkpoint_reader.py, `weights_only` RNG states), and `latest` never names a directory
 outside DIR.
 """

@@ -6,6 +6,7 @@ import json
 import math
 import resource
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -58,21 +59,20 @@ def memory_gib(device_type: str) -> float:
 
 class MetricsLogger:
     """Writes each logged step to rank 0's console (a live table on a terminal, one line per
-    log otherwise), TensorBoard and a JSONL file."""
+    log otherwise), a JSONL file (every field) and the sinks (metric_sinks.py: TensorBoard,
+    W&B; the fields `for_sinks` keeps)."""
 
     COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "memory_gib")
     LIVE_ROWS = 15
 
-    def __init__(self, *, leader: bool, tensorboard_dir: str | None, log_file: str | None, console: Console,
-                 total_steps: int | None = None, columns: tuple[str, ...] | None = None):
+    def __init__(self, *, leader: bool, log_file: str | None, console: Console, sinks: list | None = None,
+                 for_sinks: Callable[[str], bool] | None = None, columns: tuple[str, ...] | None = None):
         self.leader, self.console = leader, console
         self.columns = columns or self.COLUMNS
-        self.writer = self.jsonl = self.live = None
+        self.sinks = list(sinks or [])
+        self.for_sinks = for_sinks or (lambda key: True)
+        self.jsonl = self.live = None
         self.rows: list[tuple[str, ...]] = []
-        if leader and tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(tensorboard_dir)
         if leader and log_file:
             Path(log_file).parent.mkdir(parents=True, exist_ok=True)
             self.jsonl = open(log_file, "a")
@@ -84,14 +84,20 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if self.writer:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
-                elif isinstance(value, dict):  # per-layer vectors (the MoE expert load): histograms
-                    for name, values in value.items():
-                        self.writer.add_histogram(f"{prefix}/{key}/{name}", torch.tensor(values), record["step"])
-            self.writer.flush()
+        self._to_sinks(record, prefix)
+
+    def _to_sinks(self, record: dict, prefix: str) -> None:
+        if self.sinks:
+            kept = {key: value for key, value in record.items() if key == "step" or self.for_sinks(key)}
+            for sink in self.sinks:
+                sink.write(prefix, kept)
+
+    def log_scalars(self, record: dict) -> None:
+        """One step's own values for the sinks only, as given (--tensorboard-log-interval: the
+        per-step series that the --log-interval records then leave out)."""
+        if self.leader:
+            for sink in self.sinks:
+                sink.write("train", record)
 
     def _table(self, rows: list[tuple[str, ...]] | None = None, header: bool = True) -> Table:
         table = Table(show_header=header, box=None, pad_edge=False)
@@ -156,8 +162,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.live:
             self.live.stop()
-        if self.writer:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self.jsonl:
             self.jsonl.close()
 

@@ -128,9 +128,9 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     no_data = not args.data_path and not args.mock_data
     if missing or no_data:
         raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path (or --mock-data)'] if no_data else []))}")
+    notes = args.check_logging()
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
-    notes = []
     if args.vocab_size is not None and token_spec.tokenizer_type != "NullTokenizer":
         notes.append(f"--vocab-size {args.vocab_size} is NullTokenizer's; --tokenizer-type {token_spec.tokenizer_type} "
                      f"has its own vocabulary of {tokenizer.vocab_size} ids, which this run uses (as Megatron does)")
@@ -164,15 +164,17 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
 
 
 def check_outputs(args: TrainArgs) -> None:
-    """--log-file and --tensorboard-dir can be written (their directory made and probed, as the
-    run will do; a dry run checks the nearest existing ancestor only): before, /proc/m.jsonl or
-    a directory under a file failed after the process group, with the raw OS error."""
+    """--log-file, --tensorboard-dir, --data-cache-path and W&B's directory can be written (their
+    directory made and probed, as the run will do; a dry run checks the nearest existing
+    ancestor only): before, /proc/m.jsonl or a directory under a file failed after the process
+    group, with the raw OS error."""
     from pathlib import Path
 
     from dtmega.writable import existing_ancestor, make_writable_dir
 
     for flag, value, directory in (("--log-file", args.log_file, False), ("--tensorboard-dir", args.tensorboard_dir, True),
-                                   ("--data-cache-path", args.data_cache_path, True)):
+                                   ("--data-cache-path", args.data_cache_path, True),
+                                   ("--wandb-save-dir", args.wandb_dir, True)):
         if not value:
             continue
         target = Path(value) if directory else Path(value).parent

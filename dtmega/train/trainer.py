@@ -38,6 +38,7 @@ from dtmega.train.checkpoint import (
     select_checkpoint,
 )
 from dtmega.train.divergence import StepHealth
+from dtmega.train.metric_sinks import open_sinks
 from dtmega.train.metrics import (
     MetricsLogger,
     flops_per_token,
@@ -50,6 +51,7 @@ from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
+from dtmega.train.step_timers import StepTimers
 from dtmega.train.straggler import StragglerLog
 from dtmega.train.watch import (
     RankMarks,
@@ -86,6 +88,11 @@ def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod
             on_batch()
     pm.train()
     return total / max(tokens, 1.0)
+
+
+# With --tensorboard-log-interval these go to TensorBoard and W&B from each N-th step's own record
+# (not the --log-interval window's mean), so each series has one value per step.
+PER_STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale")
 
 
 class Trainer:
@@ -226,9 +233,21 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
         self.moe = self.pm.hook(MoERuntime)
         moe_columns = ("moe_loss", "expert_load_max", "dropped") if self.moe else ()
-        self.logger = MetricsLogger(leader=self.leader, tensorboard_dir=args.tensorboard_dir,
-                                    log_file=args.log_file, console=self.console,
-                                    columns=MetricsLogger.COLUMNS + moe_columns)
+        self.timers = StepTimers(args.timing_log_level, args.timing_log_option, self.device_type)
+        self.logger = MetricsLogger(leader=self.leader, log_file=args.log_file, console=self.console,
+                                    sinks=open_sinks(args, self.leader, to_toml_dict(args)),
+                                    for_sinks=self._for_sinks, columns=MetricsLogger.COLUMNS + moe_columns)
+
+    def _for_sinks(self, key: str) -> bool:
+        """Which record fields go to TensorBoard and W&B (Megatron's switches): timers only with
+        --log-timers-to-tensorboard, the loss scale unless --no-log-loss-scale-to-tensorboard, and
+        with --tensorboard-log-interval the per-step values come from their own records."""
+        args = self.args
+        if StepTimers.is_timer(key):
+            return args.log_timers_to_tensorboard
+        if key == "loss_scale":
+            return not args.no_log_loss_scale_to_tensorboard
+        return not (args.tensorboard_log_interval and key in PER_STEP_FIELDS)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
@@ -237,15 +256,23 @@ class Trainer:
         gradient norm is not finite is skipped by the optimizer kernel itself (`found_inf`)."""
         scale = self.scaler.scale if self.scaler else 1.0
         rng = random_state() if self.spikes else None
-        loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
-        if self.spikes is not None:
-            loss = self._check_spike(batch, loss, rng, scale)
-        params = list(self.pm.parameters())  # after backward: the sharded parameters the optimizer holds
-        if scale != 1.0:
-            scale_grads(params, 1.0 / scale)
-        norm = grad_norm(params, self.pm.pipeline_group())
-        if self.args.log_num_zeros_in_grad:
-            self.zeros_in_grad = zeros_in_grad(params, self.pm.pipeline_group())
+        with self.timers.phase("forward_backward"):
+            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+            if self.spikes is not None:
+                loss = self._check_spike(batch, loss, rng, scale)
+        with self.timers.phase("grad_norm" if self.timers.level >= 2 else "optimizer"):
+            params = list(self.pm.parameters())  # after backward: the sharded parameters the optimizer holds
+            if scale != 1.0:
+                scale_grads(params, 1.0 / scale)
+            norm = grad_norm(params, self.pm.pipeline_group())
+            if self.args.log_num_zeros_in_grad:
+                self.zeros_in_grad = zeros_in_grad(params, self.pm.pipeline_group())
+        with self.timers.phase("optimizer"):
+            return self._update(loss, norm, params)
+
+    def _update(self, loss: torch.Tensor, norm: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor | bool]:
+        """Clips and steps unless the step is skipped (a non-finite norm or loss)."""
         finite = torch.isfinite(norm)
         if not self.args.no_check_for_nan_in_loss_and_grad:
             finite = finite & torch.isfinite(loss.detach())  # a non-finite loss never updates the weights
@@ -464,7 +491,8 @@ class Trainer:
         while self.iteration < self.train_iters:
             self.progress.mark(self.iteration + 1, "loading data")
             fetch_start = time.perf_counter()
-            batch = next(self.loader).to(self.device_type)
+            with self.timers.phase("data"):
+                batch = next(self.loader).to(self.device_type)
             if self.stragglers:
                 self.stragglers.add_data_time(time.perf_counter() - fetch_start)
             self.progress.mark(self.iteration + 1, "forward/backward and optimizer step")
@@ -478,6 +506,11 @@ class Trainer:
             window_steps += 1
             skipped = skipped + overflow
             last = self.iteration == self.train_iters
+            if args.tensorboard_log_interval and self.iteration % args.tensorboard_log_interval == 0 and self.leader:
+                self.logger.log_scalars({"step": self.iteration, "loss": float(loss), "lr": self.schedule(self.iteration),
+                                         "grad_norm": float(norm),
+                                         **({"loss_scale": self.scaler.scale}
+                                            if self.scaler and not args.no_log_loss_scale_to_tensorboard else {})})
             if self.iteration % args.log_interval == 0 or last:
                 if self.device_type == "cuda":
                     torch.cuda.synchronize()
@@ -499,6 +532,8 @@ class Trainer:
                     **({"params_norm": params_norm(self.pm.parameters(), self.pm.pipeline_group())}
                        if args.log_params_norm else {}),
                     **({"num_zeros_in_grad": self.zeros_in_grad} if args.log_num_zeros_in_grad else {}),
+                    **({"world_size": shape.world} if args.log_world_size_to_tensorboard else {}),
+                    **self.timers.window(window_steps, elapsed),
                     **moe, **stragglers,
                 })
                 if straggler_line:

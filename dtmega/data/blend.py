@@ -90,33 +90,43 @@ class DataConfig:
     seq_length: int = 1024
     seed: int = 1234
     cache_dir: str | None = None  # --data-cache-path (default: each index beside its data)
+    # --train/--valid/--test-data-path: each split's own blend, every document of it used (the
+    # split proportions and data_path are then not read); an empty one builds no such split
+    per_split: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
 
 
 def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str, GPTDataset | BlendedDataset | None]:
     """train/valid/test datasets with at least `num_samples[split]` samples each (None where a
-    split has no documents or no samples are asked for)."""
+    split has no documents or no samples are asked for): the --split parts of one blend, or
+    with `config.per_split` each split's own blend, whole."""
+    if config.per_split is not None:
+        return {name: _split_dataset(name, parse_data_path(list(paths)), config, num_samples.get(name, 0), whole=True)
+                if paths else None for name, paths in zip(SPLITS, config.per_split)}
     blend = parse_data_path(list(config.data_path))
-    data = [IndexedDataset(prefix) for _, prefix in blend]
-    result: dict[str, GPTDataset | BlendedDataset | None] = {}
-    for split_index, name in enumerate(SPLITS):
-        wanted = num_samples.get(name, 0)
-        parts = []
-        for (weight, prefix), dataset in zip(blend, data):
-            lo, hi = split_documents(list(config.split), dataset.num_documents)[split_index]
-            if hi <= lo or wanted <= 0:
-                continue
-            # a 0.5% margin as Megatron, so that rounding never starves a blend component
-            share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
-            spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity,
-                                  config.cache_dir)
-            parts.append((weight, GPTDataset(dataset, spec)))
-        if not parts:
-            result[name] = None
-        elif len(parts) == 1:
-            result[name] = parts[0][1]
-        else:
-            weights = [w for w, _ in parts]
-            total = sum(weights)
-            key = f"{name}-{len(parts)}-{wanted}-{config.seed}-" + "-".join(f"{w / total:.6f}" for w in weights)
-            result[name] = BlendedDataset([d for _, d in parts], [w / total for w in weights], wanted, key)
-    return result
+    return {name: _split_dataset(name, blend, config, num_samples.get(name, 0)) for name in SPLITS}
+
+
+def _split_dataset(name: str, blend: list[tuple[float, str]], config: DataConfig, wanted: int,
+                   whole: bool = False) -> GPTDataset | BlendedDataset | None:
+    """One split: each component's documents in it (`whole`: all of them), blended by weight."""
+    split_index = SPLITS.index(name)
+    parts = []
+    for weight, prefix in blend:
+        dataset = IndexedDataset(prefix)
+        lo, hi = (0, dataset.num_documents) if whole else \
+            split_documents(list(config.split), dataset.num_documents)[split_index]
+        if hi <= lo or wanted <= 0:
+            continue
+        # a 0.5% margin as Megatron, so that rounding never starves a blend component
+        share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
+        spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity,
+                              config.cache_dir)
+        parts.append((weight, GPTDataset(dataset, spec)))
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0][1]
+    weights = [w for w, _ in parts]
+    total = sum(weights)
+    key = f"{name}-{len(parts)}-{wanted}-{config.seed}-" + "-".join(f"{w / total:.6f}" for w in weights)
+    return BlendedDataset([d for _, d in parts], [w / total for w in weights], wanted, key)

@@ -492,6 +492,12 @@ class DataArgs:
     at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size",)
 
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
+    train_data_path: list[str] | None = _opt(None, "the training split's own dataset prefix(es), weighted as "
+                                                   "--data-path (instead of --data-path and --split)")
+    valid_data_path: list[str] | None = _opt(None, "the validation split's own dataset prefix(es) (none: no "
+                                                   "validation)")
+    test_data_path: list[str] | None = _opt(None, "the test split's own dataset prefix(es): evaluated once at the "
+                                                  "end of the run, --eval-iters batches")
     data_cache_path: str | None = _opt(None, "directory for the sample indices built from the data (default: beside "
                                              "each dataset; for data on a read-only file system)")
     no_mmap_bin_files: bool = _opt(False, "read .bin files without memory mapping (not supported yet)")
@@ -511,6 +517,46 @@ class DataArgs:
     reset_attention_mask: bool = _opt(False, "block attention across documents (not supported yet)")
     dataloader_type: str = _opt("single", "single: the dataset's own (shuffled) order; cyclic: also a fresh "
                                           "shuffle of the samples every pass (resumable)", ("single", "cyclic"))
+
+    @property
+    def per_split_paths(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
+        """(train, valid, test) prefixes of --train/--valid/--test-data-path, or None when the
+        run reads --data-path with --split."""
+        given = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        if not any(given):
+            return None
+        return tuple(tuple(paths or ()) for paths in given)  # type: ignore[return-value]
+
+    @property
+    def data_prefixes(self) -> list[str]:
+        """Every dataset prefix the run reads, whichever flags name them (weights left out)."""
+        from dtmega.data.blend import parse_data_path
+
+        lists = [self.data_path] if self.data_path else [paths for paths in self.per_split_paths or () if paths]
+        return [prefix for items in lists for _, prefix in parse_data_path(list(items))]
+
+    def check_data_source(self) -> list[str]:
+        """Refuses data flags that contradict each other (Megatron's rules), naming the flag to
+        drop; returns notes for flags that then have no effect."""
+        per_split = self.per_split_paths
+        sources = [flag for flag, given in (("--data-path", bool(self.data_path)), ("--mock-data", self.mock_data),
+                                            ("--train/valid/test-data-path", per_split is not None)) if given]
+        if len(sources) > 1:
+            raise ArgumentError(f"{' and '.join(sources)} both say where the samples come from. Fix: keep one")
+        if not sources:
+            raise ArgumentError("dtmega train needs data: --data-path (with --split), --train-data-path (and "
+                                "--valid-data-path), or --mock-data")
+        if per_split is None:
+            return []
+        if not per_split[0]:
+            raise ArgumentError("--valid-data-path/--test-data-path without --train-data-path: nothing to train on. "
+                                "Fix: add --train-data-path PREFIX")
+        notes = []
+        if self.split != "969,30,1":
+            notes.append(f"--split {self.split} is not read: each split has its own --*-data-path")
+        if not per_split[1]:
+            notes.append("no --valid-data-path: this run has no validation (add one to validate)")
+        return notes
 
     @property
     def split_weights(self) -> tuple[float, float, float]:

@@ -129,13 +129,15 @@ class MetricsLogger:
         else:
             self.console.print(self._table([row], header=len(self.rows) == 1))
 
-    def log_validation(self, step: int, loss: float) -> None:
-        """A validation result: loss and perplexity."""
+    def log_validation(self, step: int, loss: float, split: str = "valid") -> None:
+        """A validation (or, `split="test"`, test) result: loss and perplexity."""
         if not self.leader:
             return
-        record = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
-        self._write(record, "valid")
-        self.event(f"step {step}: validation loss {loss:.4f}, perplexity {record['val_ppl']:.2f}")
+        key = "val" if split == "valid" else split
+        record = {"step": step, f"{key}_loss": loss, f"{key}_ppl": math.exp(min(loss, 50.0))}
+        self._write(record, split)
+        what = "validation" if split == "valid" else split
+        self.event(f"step {step}: {what} loss {loss:.4f}, perplexity {record[f'{key}_ppl']:.2f}")
 
     def log_expert_load(self, step: int, loads: dict[str, list[float]]) -> None:
         """A table of each MoE layer's per-expert load, as a multiple of an even share (1.00 =

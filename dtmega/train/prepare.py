@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from dtmega.data.blend import parse_data_path
 from dtmega.data.indexed import IndexedDataset
 from dtmega.data.tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
 from dtmega.data.vocab_check import check_data_ids
@@ -123,12 +122,9 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
                if value is None]
     args.check_schedule()
     args.split_weights  # noqa: B018 (a --split that cannot be read fails the dry run as it fails the launch)
-    if args.mock_data and args.data_path:
-        raise ArgumentError("--mock-data and --data-path both say where the samples come from. Fix: keep one")
-    no_data = not args.data_path and not args.mock_data
-    if missing or no_data:
-        raise ArgumentError(f"dtmega train needs {', '.join(missing + (['--data-path (or --mock-data)'] if no_data else []))}")
-    notes = args.check_logging()
+    if missing:
+        raise ArgumentError(f"dtmega train needs {', '.join(missing)}")
+    notes = args.check_data_source() + args.check_logging()
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
     if args.vocab_size is not None and token_spec.tokenizer_type != "NullTokenizer":
@@ -149,7 +145,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         args = dataclasses.replace(args, load=None)
     if args.load:
         config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
-    for _, prefix in parse_data_path(list(args.data_path)) if args.data_path else []:
+    for prefix in args.data_prefixes:
         IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
     entropy = check_data_vocab(args, tokenizer.vocab_size)
     plan = build_plan(args, shape, layers_of(spec, config))
@@ -248,7 +244,7 @@ def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
     tokenizer's own size, not the model's padded one; data/vocab_check.py, with or without the
     `.stats.json` sidecar); returns the (first) dataset's unigram entropy when recorded."""
     entropy = None
-    for _, prefix in parse_data_path(list(args.data_path)) if args.data_path else []:  # none with --mock-data
+    for prefix in args.data_prefixes:  # none with --mock-data
         found = check_data_ids(prefix, vocab_size)
         entropy = found if entropy is None else entropy
     return entropy

@@ -68,6 +68,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)
     validation: list[tuple[int, float]] = field(default_factory=list)
+    test_loss: float | None = None  # --test-data-path: the end-of-run evaluation
     iteration: int = 0
     checkpoint: Path | None = None
     unigram_entropy: float | None = None
@@ -133,6 +134,8 @@ class Trainer:
         self.train_iters = args.total_steps(g)  # --train-iters, or --train-samples over the global batch
         # the test split is never read by training: it is not built, so a short one never blocks a run
         sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g}
+        if args.test_data_path:  # asked for by name: evaluated once at the end, as Megatron does
+            sizes["test"] = args.eval_iters * g
         if args.mock_data:
             from dtmega.data.mock import mock_datasets
 
@@ -140,9 +143,10 @@ class Trainer:
                                           args.seed)
         else:
             self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length,
-                                                      args.seed, args.data_cache_path), sizes)
+                                                      args.seed, args.data_cache_path, args.per_split_paths), sizes)
         if self.datasets["train"] is None:
-            raise ArgumentError(f"--split {args.split} leaves no training documents")
+            raise ArgumentError(f"--split {args.split} leaves no training documents" if args.per_split_paths is None
+                                else f"--train-data-path {' '.join(args.train_data_path or [])} holds no documents")
         sizes = self.shape.mesh_sizes()
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")
@@ -406,20 +410,25 @@ class Trainer:
         if self.device_type == "cuda" and args.empty_unused_memory_level >= (2 if after_validation else 1):
             torch.cuda.empty_cache()
 
-    def validate(self, result: TrainResult) -> None:
-        if self.datasets["valid"] is None or self.args.eval_iters <= 0:
+    def validate(self, result: TrainResult, split: str = "valid") -> None:
+        """--eval-iters batches of the validation split (or, once at the end, the test split of
+        --test-data-path), logged and kept in `result`."""
+        if self.datasets.get(split) is None or self.args.eval_iters <= 0:
             return
         self._release_memory(after_validation=True)
         from dtmega.progress import progress_bar
 
         # a line when it starts, then every few seconds in a log: a long validation is never silent
-        with progress_bar(f"validation at step {self.iteration}", total=self.args.eval_iters,
-                          unit="batches") as bar:
-            loss = evaluate_loss(self.pm, self.datasets["valid"], self.args, self.shape, self.tokenizer.eod,
+        what = "validation" if split == "valid" else "test evaluation"
+        with progress_bar(f"{what} at step {self.iteration}", total=self.args.eval_iters, unit="batches") as bar:
+            loss = evaluate_loss(self.pm, self.datasets[split], self.args, self.shape, self.tokenizer.eod,
                                  on_batch=bar.advance)
-        result.validation.append((self.iteration, loss))
         self._release_memory(after_validation=True)
-        self.logger.log_validation(self.iteration, loss)
+        if split == "valid":
+            result.validation.append((self.iteration, loss))
+        else:
+            result.test_loss = loss
+        self.logger.log_validation(self.iteration, loss, split)
 
     def _moe_metrics(self, moe_losses: list[float]) -> dict:
         """Balancing loss, per-expert load (share of routed assignments per layer) and dropped
@@ -566,6 +575,7 @@ class Trainer:
             if last:  # after the final checkpoint: however long it takes, the run's weights are saved
                 self.progress.mark(self.iteration, "validation")
                 self.validate(result)
+                self.validate(result, "test")
             if stop is not None:
                 self.console.print(f"stopping at step {self.iteration}: {stop}")
                 break

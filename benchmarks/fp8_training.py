@@ -48,7 +48,7 @@ DATA = Path("runs/demo/data/kjv_text_document")  # relative to the working direc
 SIZES = {
     "demo": {"ranks": 4, "flags": [], "fp8_min_features": "0"},
     "1.5b": {"ranks": 1, "fp8_min_features": "1024", "flags": [
-        "--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "32",
+        "--swiglu", "--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "32",
         "--group-query-attention", "--num-query-groups", "8", "--seq-length", "2048", "--max-position-embeddings",
         "2048", "--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
         "--lr", "3e-4", "--min-lr", "3e-5", "--compile", "inductor"]},

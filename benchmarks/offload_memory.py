@@ -26,7 +26,7 @@ sys.path.append(str(ROOT))
 from benchmarks.common import machine, run_measured  # noqa: E402
 from benchmarks.fp8_training import DATA, SIZES  # noqa: E402
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+TINY = ["--swiglu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
         "--tensor-model-parallel-size", "1"]
 

@@ -55,7 +55,7 @@ class ModelArgs:
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "ffn_hidden_size",
         "num_attention_heads", "num_query_groups", "seq_length", "max_position_embeddings",
-        "make_vocab_size_divisible_by", "kv_channels")
+        "make_vocab_size_divisible_by", "kv_channels", "padded_vocab_size", "rotary_seq_len_interpolation_factor")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("attention_dropout", "hidden_dropout")
     # strictly positive reals
@@ -88,6 +88,11 @@ class ModelArgs:
                                          ("auto", "flash", "fused", "unfused", "local"))
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
+    padded_vocab_size: int | None = _opt(None, "the model's vocabulary size exactly (at least the tokenizer's, a "
+                                               "multiple of TP), instead of the padding --make-vocab-size-divisible-by "
+                                               "computes")
+    rotary_seq_len_interpolation_factor: int | None = _opt(None, "RoPE position interpolation: positions divided by "
+                                                                 "this (only 1 is supported)")
     attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
     hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")
 
@@ -107,6 +112,7 @@ class ParallelArgs:
     cp_comm_type: str = _opt("p2p", "context-parallel attention: p2p (ring), all_gather, a2a (Ulysses)",
                              ("p2p", "all_gather", "a2a"))
     sequence_parallel: bool = _opt(False, "sequence parallelism (needs TP > 1)")
+    tp_comm_overlap: bool = _opt(False, "overlap TP communication with the GEMMs (not supported yet)")
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
                                      ("ddp", "fsdp", "hsdp"))
@@ -686,10 +692,15 @@ NOTED_FLAGS = {
     "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
     "log_validation_ppl_to_tensorboard": "validation perplexity is always written to TensorBoard (valid/val_ppl)",
     "log_memory_to_tensorboard": "memory_gib is written to TensorBoard at every log step",
+    "attention_softmax_in_fp32": "torch's attention kernels already compute the softmax in fp32 for bf16/fp16 "
+                                 "inputs",
+    "legacy_tokenizer": "dtmega has one tokenizer implementation per --tokenizer-type",
+    "rerun_mode": "dtmega has no re-run engine: a non-finite step is skipped and counted (--max-skipped-steps stops a "
+                  "streak), and --check-for-spiky-loss re-runs a spiking step once to tell data from a transient fault",
     "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
                               "(the values of an unsharded init), so no rank ever holds a full copy",
 }
-_NOTED_WITH_VALUE = {"distributed_backend", "num_workers", "fp8_interval"}
+_NOTED_WITH_VALUE = {"distributed_backend", "num_workers", "fp8_interval", "rerun_mode"}
 
 def _base_type(annotation: str) -> type:
     text = str(annotation)

@@ -13,12 +13,14 @@ from dtmega.train.args import ArgumentError, TrainArgs
 @dataclass(frozen=True)
 class NotBuilt:
     """A feature a flag asks for that is refused: how the docs name it, a command line that asks
-    for it, when `args` ask for it, and the message's reason and fix."""
+    for it (`example` added to a working line, `without` taken out of it), when `args` ask for
+    it, and the message's reason and fix."""
 
     flags: str
     example: tuple[str, ...]
     applies: Callable[[TrainArgs], bool]
     reason: str
+    without: tuple[str, ...] = ()
 
 
 def _uniform_groups(args: TrainArgs) -> bool:
@@ -26,7 +28,17 @@ def _uniform_groups(args: TrainArgs) -> bool:
             and args.recompute_num_layers not in (None, 1))
 
 
+def _gpt_blocks(args: TrainArgs) -> bool:
+    """A model sized by Megatron's flags without --swiglu: Megatron builds GPT blocks there (GeLU
+    MLP, and by its defaults LayerNorm, learned positions, biases, dropout 0.1)."""
+    return not args.swiglu and args.model is None and not args.load_hf and args.num_layers is not None
+
+
 NOT_BUILT: tuple[NotBuilt, ...] = (
+    NotBuilt("GPT blocks (Megatron's sizes without --swiglu)", (), _gpt_blocks,
+             "without --swiglu Megatron builds GPT blocks (GeLU MLP; by its defaults also LayerNorm, learned absolute "
+             "positions, biases and dropout 0.1), which are not supported yet. Fix: add --swiglu to train dtmega's "
+             "Llama blocks (SwiGLU, RMSNorm, RoPE, no biases, no dropout)", without=("--swiglu",)),
     NotBuilt("--attention-dropout/--hidden-dropout > 0", ("--attention-dropout", "0.1"),
              lambda a: bool(a.attention_dropout or a.hidden_dropout),
              "dropout is not supported yet (Llama pretraining uses none). Fix: --attention-dropout 0 --hidden-dropout 0"),
@@ -51,6 +63,15 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "(it is then --hidden-size / --num-attention-heads)"),
     NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
              "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
+    NotBuilt("--rotary-seq-len-interpolation-factor above 1", ("--rotary-seq-len-interpolation-factor", "2"),
+             lambda a: (a.rotary_seq_len_interpolation_factor or 1) != 1,
+             "RoPE position interpolation is not supported yet (--use-rope-scaling gives Llama 3.1's frequency "
+             "scaling). Fix: leave the flag out, or --rotary-seq-len-interpolation-factor 1"),
+    NotBuilt("--tp-comm-overlap", ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"),
+             lambda a: a.tp_comm_overlap,
+             "overlapping the tensor-parallel all-gathers and reduce-scatters with the GEMMs (Transformer Engine's "
+             "userbuffers) is not supported yet. Fix: leave --tp-comm-overlap out (TP communication then runs between "
+             "the GEMMs)"),
     NotBuilt("--apply-layernorm-1p", ("--apply-layernorm-1p",), lambda a: a.apply_layernorm_1p,
              "zero-centred norm weights (stored as 1 + w) are not supported yet. Fix: leave the flag out (the norm "
              "weights start at 1)"),

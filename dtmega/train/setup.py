@@ -120,8 +120,16 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
 
 
 def padded_vocab(vocab: int, args: TrainArgs) -> int:
-    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x TP size."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x TP size, or
+    --padded-vocab-size as given (checked: it holds the tokenizer's ids and splits over TP)."""
+    tp = args.tensor_model_parallel_size
+    if args.padded_vocab_size is not None:
+        if args.padded_vocab_size < vocab or args.padded_vocab_size % tp:
+            raise ArgumentError(f"--padded-vocab-size {args.padded_vocab_size} must be at least the tokenizer's {vocab} "
+                                f"ids and a multiple of the TP size {tp}. Fix: --padded-vocab-size "
+                                f"{-(-vocab // tp) * tp} or more (a multiple of {tp}), or leave it out")
+        return args.padded_vocab_size
+    multiple = args.make_vocab_size_divisible_by * tp
     return -(-vocab // multiple) * multiple
 
 

@@ -125,8 +125,6 @@ class Trainer:
         if (args.bf16 or args.fp16) and self.device_type == "cpu":
             self.console.print("[dim]note: --bf16/--fp16 on a CPU: most CPUs have no fast 16-bit matmuls, so this runs "
                                "slower than fp32 (measured ~9x on a 2-core AVX2 machine); it is meant for GPUs[/dim]")
-        if not args.swiglu and run.spec.family == "dtmega-llama":
-            self.console.print("[dim]note: dtmega's Llama uses SwiGLU (Megatron's default MLP is GeLU)[/dim]")
         self.run_plan, self.spec = run, run.spec
         self.shape, self.tokenizer_spec, self.tokenizer = run.shape, run.tokenizer_spec, run.tokenizer
         self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy

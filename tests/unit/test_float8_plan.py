@@ -147,7 +147,7 @@ def test_the_seeds_fp8_command_line_stops_before_any_work(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert prep.returncode == 0, prep.stderr[-2000:]
     save = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "dtmega", "train", "--num-layers", "2", "--hidden-size", "64",
+    command = [sys.executable, "-m", "dtmega", "train", "--swiglu", "--num-layers", "2", "--hidden-size", "64",
                "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3",
                "--tokenizer-type", "byte", "--data-path", str(tmp_path / "corpus_text_document"),
                "--save", str(save), "--train-iters", "2", "--fp8-hybrid", "--fp8-amax-history-len", "1024",

@@ -140,7 +140,7 @@ def test_moe_flags_build_the_model_and_the_expert_parallel_pass():
     from dtmega.passes import ExpertParallel, TensorParallel
 
     args, _ = parse_train_args([
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--num-experts", "8",
+        "--swiglu", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--num-experts", "8",
         "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "([0]*1+[1]*3)",
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-4",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor",
@@ -303,7 +303,7 @@ def test_every_megatron_flag_that_torch_already_covers_is_accepted_with_its_note
 
 
 def test_use_torch_fsdp2_is_fully_sharded_data_parallelism():
-    args = parse_train_args(["--use-torch-fsdp2", "--num-layers", "2"])[0]
+    args = parse_train_args(["--use-torch-fsdp2", "--swiglu", "--num-layers", "2"])[0]
     plan = build_plan(args, run_shape(args, 4), 2)
     assert [p.mode for p in plan.passes if isinstance(p, DataParallel)] == ["fsdp"]
     with pytest.raises(ArgumentError, match="--use-torch-fsdp2 and --data-parallel ddp disagree"):

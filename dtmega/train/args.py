@@ -43,6 +43,7 @@ from dtmega.train.arg_checks import (
 from dtmega.train.arg_fields import ArgumentError
 from dtmega.train.arg_fields import opt as _opt
 from dtmega.train.logging_args import LoggingArgs
+from dtmega.train.megatron_only_args import MegatronOnlyArgs
 from dtmega.train.schedule import LRSchedule, WeightDecaySchedule
 
 if TYPE_CHECKING:
@@ -171,11 +172,18 @@ class ParallelArgs:
         return []
 
     def data_parallel_mode(self) -> str:
-        """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given."""
+        """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given
+        (--data-parallel, or Megatron-FSDP's sharding strategy)."""
+        megatron_fsdp = self.megatron_fsdp_mode()  # type: ignore[attr-defined]
         if self.data_parallel:
             if self.use_torch_fsdp2 and self.data_parallel == "ddp":
                 raise ArgumentError("--use-torch-fsdp2 and --data-parallel ddp disagree. Fix: keep one")
+            if megatron_fsdp and megatron_fsdp != self.data_parallel:
+                raise ArgumentError(f"--use-megatron-fsdp (--data-parallel-sharding-strategy) asks for {megatron_fsdp} "
+                                    f"and --data-parallel for {self.data_parallel}. Fix: keep one")
             return self.data_parallel
+        if megatron_fsdp:
+            return megatron_fsdp
         return "fsdp" if self.use_distributed_optimizer or self.cpu_optimizer or self.use_torch_fsdp2 else "ddp"
 
     def data_parallel_passes(self, param_dtype: str) -> list[Pass]:
@@ -185,7 +193,8 @@ class ParallelArgs:
             raise ArgumentError("--cpu-optimizer keeps each rank's shard of the weights, gradients and Adam state on "
                                 "the host, which needs sharded data parallelism. Fix: --data-parallel fsdp (or hsdp), "
                                 "or drop --data-parallel ddp")
-        reduce_dtype = "bfloat16" if self.grad_reduce_in_bf16 else "float32"
+        in_bf16 = self.grad_reduce_in_bf16 or self.megatron_fsdp_grad_comm_dtype == "bf16"  # type: ignore[attr-defined]
+        reduce_dtype = "bfloat16" if in_bf16 else "float32"
         passes: list[Pass] = [DataParallel(mode, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                            offload=self.cpu_optimizer)]
         if self.compile:
@@ -340,7 +349,8 @@ class MoEArgs:
     moe_router_bias_update_rate: float = _opt(1e-3, "step of the expert-bias update")
     moe_expert_capacity_factor: float | None = _opt(None, "tokens per expert per sequence, x even share (unset: dropless)")
     moe_token_drop_policy: str = _opt("probs", "which tokens an over-capacity expert keeps", ("probs", "position"))
-    moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks", ("alltoall", "allgather"))
+    moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks (flex: not supported "
+                                                       "yet)", ("alltoall", "allgather", "flex"))
     moe_grouped_gemm: bool = _opt(False, "run the local experts as one grouped GEMM (else a loop over experts)")
 
 
@@ -626,7 +636,8 @@ class CheckpointArgs:
     distributed_timeout_minutes: float = _opt(10.0, "how long a rank waits for the others at start-up and in any "
                                                     "collective before the run stops naming who is missing")
     ckpt_format: str = _opt("torch_dist", "checkpoint format: torch_dist (sharded torch.distributed.checkpoint "
-                                          "directories, the one format dtmega writes)", ("torch_dist",))
+                                          "directories, the one format dtmega writes; torch_dcp and fsdp_dtensor "
+                                          "name the same here)", ("torch_dist", "torch_dcp", "fsdp_dtensor", "torch"))
     manual_gc: bool = _opt(False, "turn Python's automatic garbage collector off for the run and collect at "
                                   "--manual-gc-interval steps and around validations (no collector pauses at "
                                   "random steps, which stall every rank of a large job)")
@@ -650,7 +661,8 @@ class LaunchArgs:
                                      "files, plan and layout; print it and exit")
 
 @dataclass(frozen=True)
-class TrainArgs(LaunchArgs, LoggingArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs, FP8Args, FusionArgs, PipelineArgs,
+class TrainArgs(LaunchArgs, MegatronOnlyArgs, LoggingArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs,
+                FP8Args, FusionArgs, PipelineArgs,
                 ParallelArgs, ModelArgs):
     """All options of a training run (flag --foo-bar is field foo_bar), in sections that each own
     their fields and their range checks (the bases, listed last-first so fields keep the order
@@ -692,6 +704,12 @@ NOTED_FLAGS = {
     "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
     "log_validation_ppl_to_tensorboard": "validation perplexity is always written to TensorBoard (valid/val_ppl)",
     "log_memory_to_tensorboard": "memory_gib is written to TensorBoard at every log step",
+    "no_position_embedding": "Megatron's deprecated switch for the learned absolute position embedding, which "
+                             "dtmega's RoPE models do not have",
+    "auto_detect_ckpt_format": "dtmega reads its own checkpoints by their state.json (`dtmega convert` reads "
+                               "Megatron's)",
+    "enable_experimental": "dtmega has no experimental switch: each feature it has is on by its own flag",
+    "init_model_with_meta_device": "the model is always built on the meta device and initialized shard by shard",
     "attention_softmax_in_fp32": "torch's attention kernels already compute the softmax in fp32 for bf16/fp16 "
                                  "inputs",
     "legacy_tokenizer": "dtmega has one tokenizer implementation per --tokenizer-type",

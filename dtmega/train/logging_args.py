@@ -38,6 +38,8 @@ class LoggingArgs:
     log_world_size_to_tensorboard: bool = opt(False, "write the world size to TensorBoard and W&B at each log step")
     log_params_norm: bool = opt(False, "log the L2 norm of all parameters (as if unsharded) at every log step")
     log_num_zeros_in_grad: bool = opt(False, "log how many gradient entries are exactly zero (one count per step)")
+    logging_level: int | None = opt(None, "Python logging level for every logger (10 debug ... 50 critical; Megatron's "
+                                          "--logging-level)")
     wandb_project: str | None = opt(None, "log to this Weights & Biases project (what TensorBoard gets, from rank "
                                           "0); WANDB_MODE=offline writes it locally for a later `wandb sync`")
     wandb_exp_name: str | None = opt(None, "the W&B run's name")

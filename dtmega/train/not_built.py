@@ -34,6 +34,10 @@ def _gpt_blocks(args: TrainArgs) -> bool:
     return not args.swiglu and args.model is None and not args.load_hf and args.num_layers is not None
 
 
+_MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
+              "mscale", "mscale_all_dim")
+
+
 NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("GPT blocks (Megatron's sizes without --swiglu)", (), _gpt_blocks,
              "without --swiglu Megatron builds GPT blocks (GeLU MLP; by its defaults also LayerNorm, learned absolute "
@@ -72,6 +76,64 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "overlapping the tensor-parallel all-gathers and reduce-scatters with the GEMMs (Transformer Engine's "
              "userbuffers) is not supported yet. Fix: leave --tp-comm-overlap out (TP communication then runs between "
              "the GEMMs)"),
+    NotBuilt("--ckpt-format torch", ("--ckpt-format", "torch"), lambda a: a.ckpt_format == "torch",
+             "Megatron's legacy per-rank torch.save checkpoints are not written (dtmega's are sharded DCP directories, "
+             "loadable under any plan). Fix: --ckpt-format torch_dist"),
+    NotBuilt("--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend)",
+             ("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
+             lambda a: a.moe_token_dispatcher_type == "flex" or a.moe_flex_dispatcher_backend is not None,
+             "the flex dispatcher (DeepEP / HybridEP kernels) is not supported yet. Fix: --moe-token-dispatcher-type "
+             "alltoall, without --moe-flex-dispatcher-backend"),
+    NotBuilt("--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
+             "--rotary-scaling-factor --mscale --mscale-all-dim)", ("--multi-latent-attention",),
+             lambda a: a.multi_latent_attention or any(getattr(a, name) is not None for name in _MLA_SIZES),
+             "DeepSeek's multi-latent attention (and the YaRN RoPE scaling it comes with) is not supported yet. Fix: "
+             "leave these flags out (attention is then grouped-query, --num-query-groups)"),
+    NotBuilt("--mtp-num-layers --mtp-loss-scaling-factor", ("--mtp-num-layers", "1"),
+             lambda a: a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None,
+             "multi-token prediction is not supported yet. Fix: leave --mtp-num-layers and --mtp-loss-scaling-factor "
+             "out (next-token loss only)"),
+    NotBuilt("--moe-router-group-topk --moe-router-num-groups", ("--num-experts", "4", "--moe-router-num-groups", "2",
+                                                                  "--moe-router-group-topk", "1"),
+             lambda a: a.moe_router_group_topk is not None or a.moe_router_num_groups is not None,
+             "group-limited routing (each token's experts from its best groups) is not supported yet. Fix: leave "
+             "both out (top-k over all experts)"),
+    NotBuilt("--moe-router-dtype fp64", ("--num-experts", "4", "--moe-router-dtype", "fp64"),
+             lambda a: a.moe_router_dtype == "fp64",
+             "a float64 router for a lower-precision model is not supported yet (the router runs in fp32 for bf16 and "
+             "fp16 models). Fix: --moe-router-dtype fp32, or leave it out"),
+    NotBuilt("--moe-permute-fusion", ("--num-experts", "4", "--moe-permute-fusion"), lambda a: a.moe_permute_fusion,
+             "Transformer Engine's fused token permutation is not supported yet. Fix: leave the flag out (tokens are "
+             "permuted with torch's index operations)"),
+    NotBuilt("--moe-router-force-load-balancing", ("--num-experts", "4", "--moe-router-force-load-balancing"),
+             lambda a: a.moe_router_force_load_balancing,
+             "forcing an even routing for benchmarks is not supported yet. Fix: leave the flag out"),
+    NotBuilt("--recompute-modules other than core_attn", ("--recompute-granularity", "selective",
+                                                          "--recompute-modules", "mlp"),
+             lambda a: a.recompute_modules is not None and list(a.recompute_modules) != ["core_attn"],
+             "choosing the modules selective recompute covers is not supported yet (it recomputes the attention "
+             "core, Megatron's core_attn). Fix: leave --recompute-modules out, or --recompute-modules core_attn"),
+    NotBuilt("--data-parallel-sharding-strategy optim|optim_grads",
+             ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"),
+             lambda a: a.use_megatron_fsdp and a.data_parallel_sharding_strategy in ("optim", "optim_grads"),
+             "sharding only the optimizer state (ZeRO-1) or it and the gradients (ZeRO-2) is not supported yet. Fix: "
+             "--data-parallel-sharding-strategy optim_grads_params (FSDP2, ZeRO-3) or no_shard (DDP)"),
+    NotBuilt("--fsdp-double-buffer --use-nccl-ub", ("--use-megatron-fsdp", "--use-nccl-ub"),
+             lambda a: a.fsdp_double_buffer or a.use_nccl_ub,
+             "Megatron-FSDP's double buffers and NCCL user-buffer registration are not supported yet. Fix: leave "
+             "them out (FSDP2 allocates its own communication buffers)"),
+    NotBuilt("--megatron-fsdp-main-grads-dtype bf16", ("--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "bf16"),
+             lambda a: a.megatron_fsdp_main_grads_dtype == "bf16",
+             "accumulating gradients in bf16 is not supported yet (they accumulate in fp32). Fix: "
+             "--megatron-fsdp-main-grads-dtype fp32, or leave it out"),
+    NotBuilt("--dist-ckpt-strictness other than raise_all", ("--dist-ckpt-strictness", "log_all"),
+             lambda a: a.dist_ckpt_strictness != "raise_all",
+             "loading a checkpoint whose keys do not match the model is not supported (a load is strict: a missing "
+             "or unexpected key stops it, naming the key). Fix: --dist-ckpt-strictness raise_all, or leave it out"),
+    NotBuilt("--rampup-batch-size --step-batch-size-schedule", ("--rampup-batch-size", "4", "4", "64"),
+             lambda a: a.rampup_batch_size is not None or a.step_batch_size_schedule is not None,
+             "a growing batch size is not supported yet. Fix: leave the schedule out (--global-batch-size is used "
+             "from the first step)"),
     NotBuilt("--apply-layernorm-1p", ("--apply-layernorm-1p",), lambda a: a.apply_layernorm_1p,
              "zero-centred norm weights (stored as 1 + w) are not supported yet. Fix: leave the flag out (the norm "
              "weights start at 1)"),

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import signal
@@ -115,6 +116,8 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
         self.args = args = run.args  # with what start-up derived (--auto-plan's choices, a fresh start)
+        if args.logging_level is not None:  # Megatron's --logging-level: every logger, torch's included
+            logging.getLogger().setLevel(args.logging_level)
         init_distributed(self.device_type, timeout=timedelta(minutes=args.distributed_timeout_minutes))
         check_same_arguments(launch_settings(to_toml_dict(args), run.plan.to_toml()))  # before any work
         self.rank = dist.get_rank()

@@ -43,6 +43,13 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "without --swiglu Megatron builds GPT blocks (GeLU MLP; by its defaults also LayerNorm, learned absolute "
              "positions, biases and dropout 0.1), which are not supported yet. Fix: add --swiglu to train dtmega's "
              "Llama blocks (SwiGLU, RMSNorm, RoPE, no biases, no dropout)", without=("--swiglu",)),
+    NotBuilt("tied embeddings with pipeline parallelism (PP > 1 without --untie-embeddings-and-output-weights)",
+             ("--pipeline-model-parallel-size", "2"),
+             lambda a: (a.pipeline_model_parallel_size > 1 and not a.untie_embeddings_and_output_weights
+                        and a.model is None and not a.load_hf),
+             "one embedding matrix shared by the first and the last pipeline stage is not supported yet. Fix: add "
+             "--untie-embeddings-and-output-weights (separate input and output embeddings)",
+             without=("--untie-embeddings-and-output-weights",)),
     NotBuilt("--attention-dropout/--hidden-dropout > 0", ("--attention-dropout", "0.1"),
              lambda a: bool(a.attention_dropout or a.hidden_dropout),
              "dropout is not supported yet (Llama pretraining uses none). Fix: --attention-dropout 0 --hidden-dropout 0"),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from rich.console import Console
@@ -146,10 +148,26 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
 
 def _say(command: str, text: str, everywhere: bool = False) -> None:
     """One error line on stderr, on rank 0 only unless `everywhere`. Printed as text: "pip
-    install 'dtmega[te]'" must not read as markup."""
+    install 'dtmega[te]'" must not read as markup. Under torchrun the line also goes into the
+    rank's error file, so that torchrun's failure summary, printed last, names it as the root
+    cause instead of "To enable traceback see ..."."""
+    _tell_torchrun(f"dtmega {command}: {text}")
     if everywhere or os.environ.get("RANK", "0") == "0":
         Console(stderr=True, soft_wrap=True).print(f"[bold red]dtmega {command}:[/bold red] {escape(text)}",
                                                    highlight=False)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Writes `line` as this worker's error (torchrun's TORCHELASTIC_ERROR_FILE, the JSON its
+    `@record` writes: a message string and a timestamp); never replaces one already written."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as out:
+            json.dump({"message": line, "timestamp": int(time.time())}, out)
+    except OSError:
+        pass  # the summary then says what it says without us: the line above is on the console anyway
 
 
 class Stopped(BaseException):

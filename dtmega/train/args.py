@@ -741,6 +741,7 @@ class _Parser(argparse.ArgumentParser):
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
         guesses = []
         for word in message.replace(",", " ").split():
+            word = word.rstrip(":;.")  # "argument --tokenizer-type: invalid choice" names a known flag
             if word.startswith("--") and word not in known:
                 name = word.split("=", 1)[0]
                 close = [guess for guess in difflib.get_close_matches(name, known, n=5, cutoff=0.6)
@@ -748,7 +749,8 @@ class _Parser(argparse.ArgumentParser):
                 if close:
                     guesses.append(f"{name}: did you mean {' or '.join(close)}?")
         hint = f" ({'; '.join(guesses)})" if guesses else ""
-        raise ArgumentError(f"{message}{hint}. Fix: `dtmega train --help` lists every flag")
+        fix = "pass one of the choices listed" if "invalid choice" in message else "`dtmega train --help` lists every flag"
+        raise ArgumentError(f"{message}{hint}. Fix: {fix}")
 
 
 def _same_first_word(flag: str, guess: str) -> bool:

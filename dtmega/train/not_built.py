@@ -46,7 +46,7 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("tied embeddings with pipeline parallelism (PP > 1 without --untie-embeddings-and-output-weights)",
              ("--pipeline-model-parallel-size", "2"),
              lambda a: (a.pipeline_model_parallel_size > 1 and not a.untie_embeddings_and_output_weights
-                        and a.model is None and not a.load_hf),
+                        and a.model is None and not a.load_hf and a.num_layers is not None),
              "one embedding matrix shared by the first and the last pipeline stage is not supported yet. Fix: add "
              "--untie-embeddings-and-output-weights (separate input and output embeddings)",
              without=("--untie-embeddings-and-output-weights",)),

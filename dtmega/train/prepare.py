@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,11 +232,29 @@ FLAG_SPELLINGS = {
 }
 
 
+# the passes' and configs' names of sizes, as the flags that set them (applied in this order)
+FIELD_SPELLINGS = (
+    (r"use tp in \[([0-9, ]+)\]", r"--tensor-model-parallel-size one of \1"),
+    (r"\btp=(\d+)", r"--tensor-model-parallel-size \1"),
+    (r"\bcp=(\d+)", r"--context-parallel-size \1"),
+    (r"\bep=(\d+)", r"--expert-model-parallel-size \1"),
+    (r"\bn_heads=(\d+)", r"--num-attention-heads \1"),
+    (r"\bn_kv_heads=(\d+)", r"--num-query-groups \1"),
+    (r"\bnum_experts=(\d+)", r"--num-experts \1"),
+    (r"\bffn_dim=(\d+)", r"--ffn-hidden-size \1"),
+    (r"\bvocab_size=(\d+)", r"--padded-vocab-size \1"),
+    (r"method='ring' or 'all_gather'", "--cp-comm-type p2p or all_gather"),
+)
+
+
 def in_flag_terms(message: str) -> str:
-    """A plan error's message with the Python API's spellings of a fix replaced by the trainer's
-    flags (an FP8 backend is `--transformer-impl`, not `backend=`)."""
+    """A plan error's message with the Python API's spellings replaced by the trainer's flags (an
+    FP8 backend is `--transformer-impl`, not `backend=`; heads are `--num-attention-heads`, not
+    `n_heads=`), so that the fix it names is one to type on the command line."""
     for python, flag in FLAG_SPELLINGS.items():
         message = message.replace(python, flag)
+    for pattern, flag in FIELD_SPELLINGS:
+        message = re.sub(pattern, flag, message)
     return message
 
 

@@ -154,6 +154,7 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
             f"positions past {positions - 1} have no rotation. Fix: raise --max-position-embeddings to at least "
             f"{args.seq_length}, or leave it unset (the table then follows --seq-length)"
         )
+    _check_heads(args.hidden_size, heads, kv_heads, args.group_query_attention)
     try:
         return LlamaConfig(
             dim=args.hidden_size, n_layers=args.num_layers, n_heads=heads, n_kv_heads=kv_heads,
@@ -165,6 +166,20 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
         )
     except ValueError as error:
         raise ArgumentError(str(error)) from None
+
+
+def _check_heads(width: int, heads: int, kv_heads: int, grouped: bool) -> None:
+    """The head arithmetic in flag terms (LlamaConfig would say it in its field names)."""
+    if width % heads:
+        fits = [n for n in range(1, min(width, 256) + 1) if width % n == 0 and abs(n - heads) <= heads][-3:]
+        raise ArgumentError(f"--hidden-size {width} is not divisible by --num-attention-heads {heads} (every head gets "
+                            f"the same width). Fix: --num-attention-heads {' or '.join(map(str, fits))}, or a "
+                            f"--hidden-size that is a multiple of {heads}")
+    if grouped and heads % kv_heads:
+        fits = [n for n in range(1, heads + 1) if heads % n == 0]
+        raise ArgumentError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {kv_heads} (every "
+                            f"query group needs the same number of heads). Fix: --num-query-groups one of "
+                            f"{', '.join(map(str, fits))}")
 
 
 # MoE options that mean something only with --num-experts (those the user sets: falsy defaults)

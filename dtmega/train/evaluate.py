@@ -106,7 +106,8 @@ def run_task(a: argparse.Namespace, pm, tokenizer, state: dict):
 
     context = int(state.get("model_config", {}).get("max_seq_len") or state["args"]["seq_length"])
     if a.task == "wikitext":
-        seq_length = a.seq_length or state["args"]["seq_length"]
+        seq_length, why = default_seq_length(a, state)
+        console().print(f"[dim]note: windows of {seq_length} tokens ({why})[/dim]", highlight=False)
         if seq_length > context:
             raise ArgumentError(f"--seq-length {seq_length} exceeds the model's context of {context} tokens")
         if a.overlapping_eval > seq_length:
@@ -126,6 +127,19 @@ def run_task(a: argparse.Namespace, pm, tokenizer, state: dict):
     return result
 
 
+def default_seq_length(a: argparse.Namespace, state: dict) -> tuple[int, str]:
+    """The sample length and where it comes from; one rule for --load and --load-hf: the length
+    the model was trained at. A dtmega run records it (its --seq-length); a Hugging Face model
+    (read with --load-hf or converted by `dtmega convert hf-to-dtmega`) records only its context,
+    max_position_embeddings, which is then the length. --seq-length overrides both."""
+    if a.seq_length is not None:
+        return a.seq_length, "--seq-length"
+    context = state.get("model_config", {}).get("max_seq_len")
+    if "hf_dir" in state.get("source", {}) and context:
+        return int(context), "the Hugging Face model's context, max_position_embeddings; --seq-length N for others"
+    return int(state["args"]["seq_length"]), "the training run's --seq-length; --seq-length N for others"
+
+
 def main(argv: list[str]):
     """Prints and returns the loss (a task: its result)."""
     a = build_parser().parse_args(argv)
@@ -134,7 +148,8 @@ def main(argv: list[str]):
                                                  custom_import=a.custom_import, load_hf=a.load_hf)
     if a.task is not None:
         return run_task(a, pm, tokenizer, state)
-    seq_length = a.seq_length or state["args"]["seq_length"]
+    seq_length, why = default_seq_length(a, state)
+    console().print(f"[dim]note: samples of {seq_length} tokens ({why})[/dim]", highlight=False)
     context = state.get("model_config", {}).get("max_seq_len")
     if context is not None and seq_length > context:  # before: an IndexError in the RoPE table
         raise ArgumentError(f"--seq-length {seq_length} is longer than the model's context of {context} tokens (its "

@@ -183,6 +183,33 @@ def test_generate_and_evaluate_accept_load_hf(capsys, tmp_path):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_evaluate_takes_one_length_rule_for_load_hf_and_load(capsys, tmp_path):
+    """A Hugging Face model records only its context (max_position_embeddings, 256 here): that is
+    the default sample length for --load-hf and for the checkpoint `convert hf-to-dtmega` makes
+    of it (the same windows, the same loss); a dtmega run's checkpoint uses the run's
+    --seq-length. Each says which in a note."""
+    from dtmega.data.preprocess import PreprocessConfig, preprocess
+    from tests.corpus import make_texts, write_jsonl
+
+    directory = save_tiny_llama31(tmp_path / "hf")
+    write_jsonl(tmp_path / "held.jsonl", make_texts(60, seed=9))
+    preprocess(PreprocessConfig(input=tmp_path / "held.jsonl", output_prefix=str(tmp_path / "held"),
+                                tokenizer=TokenizerSpec("HuggingFaceTokenizer", str(directory)), append_eod=True,
+                                progress=False))
+    data = ["--data-path", str(tmp_path / "held_text_document"), "--eval-iters", "1", "--micro-batch-size", "1"]
+    assert dtmega_main(["evaluate", "--load-hf", str(directory), *data]) == 0
+    direct = capsys.readouterr().out
+    assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(directory), "--save", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert dtmega_main(["evaluate", "--load", str(tmp_path / "ckpt"), *data]) == 0
+    converted = capsys.readouterr().out
+    for out in (direct, converted):
+        assert "samples of 256 tokens (the Hugging Face model's context, max_position_embeddings" in out, out
+    loss = [line.split("loss ")[1].split(",")[0] for line in (direct, converted) for line in line.splitlines()
+            if " tokens: loss " in line]
+    assert len(loss) == 2 and loss[0] == loss[1]
+
+
 # ---- tokenizers in every form Megatron users pass --------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -199,6 +199,17 @@ def test_evaluate_refuses_a_sequence_beyond_the_context(checkpoint, corpus, caps
             capsys.readouterr().err)
 
 
+def test_evaluate_of_a_run_takes_the_runs_sequence_length(checkpoint, corpus, capsys):
+    """The other half of the one length rule (test_hf_checkpoints.py has the Hugging Face half)."""
+    from dtmega.cli import main as dtmega_main
+    from dtmega.train.checkpoint import read_state, resolve_checkpoint
+
+    run_length = read_state(resolve_checkpoint(checkpoint))["args"]["seq_length"]
+    capsys.readouterr()
+    assert dtmega_main(["evaluate", "--load", str(checkpoint), "--data-path", corpus, "--eval-iters", "1"]) == 0
+    assert f"samples of {run_length} tokens (the training run's --seq-length" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "1000"])
 def test_generate_refuses_a_temperature_that_means_nothing(checkpoint, capsys, value):
     """N55: `--temperature -1` decoded greedily without a word (the server refused it)."""

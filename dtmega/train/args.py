@@ -76,9 +76,10 @@ class ModelArgs:
     init_method_std: float = _opt(0.02, "std of the normal init")
     untie_embeddings_and_output_weights: bool = _opt(False, "separate input embedding and output layer")
     swiglu: bool = _opt(False, "SwiGLU MLP (dtmega's Llama always uses it)")
-    normalization: str = _opt("RMSNorm", "norm layer", ("RMSNorm", "LayerNorm"))
+    normalization: str = _opt("RMSNorm", "norm layer (LayerNorm: not supported yet)", ("RMSNorm", "LayerNorm"))
     norm_epsilon: float = _opt(1e-5, "norm epsilon")
-    position_embedding_type: str = _opt("rope", "position embedding", ("rope", "learned_absolute", "none"))
+    position_embedding_type: str = _opt("rope", "position embedding (learned_absolute and none: not supported yet)",
+                                        ("rope", "learned_absolute", "none"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
     rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
     kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
@@ -637,7 +638,8 @@ class CheckpointArgs:
                                                     "collective before the run stops naming who is missing")
     ckpt_format: str = _opt("torch_dist", "checkpoint format: torch_dist (sharded torch.distributed.checkpoint "
                                           "directories, the one format dtmega writes; torch_dcp and fsdp_dtensor "
-                                          "name the same here)", ("torch_dist", "torch_dcp", "fsdp_dtensor", "torch"))
+                                          "name the same here; torch, Megatron's legacy format, is not supported)",
+                            ("torch_dist", "torch_dcp", "fsdp_dtensor", "torch"))
     manual_gc: bool = _opt(False, "turn Python's automatic garbage collector off for the run and collect at "
                                   "--manual-gc-interval steps and around validations (no collector pauses at "
                                   "random steps, which stall every rank of a large job)")

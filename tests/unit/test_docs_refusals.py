@@ -63,6 +63,23 @@ def test_every_row_is_refused_by_a_dry_run_with_its_reason(item, corpus, capsys)
     assert f"{item.flags}: {item.reason}" in capsys.readouterr().err
 
 
+def test_help_marks_every_choice_it_then_refuses():
+    """`dtmega train --help` offers only what works, or says which choices do not: every choice
+    that a not-built row refuses is marked in its flag's help."""
+    from dtmega.train.args import build_parser, parse_train_args
+
+    base = ["--swiglu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4"]
+    unmarked = []
+    for action in build_parser()._actions:
+        for choice in action.choices or ():
+            args = parse_train_args([*base, action.option_strings[0], str(choice)])[0]
+            refused = [item.flags for item in NOT_BUILT if item.applies(args)]
+            help_text = action.help or ""
+            if refused and "not supported" not in help_text and "only " not in help_text:
+                unmarked.append(f"{action.option_strings[0]} {choice}")
+    assert not unmarked, unmarked
+
+
 def test_no_page_calls_a_flag_unsupported_outside_the_table():
     allowed = {flag for cell, _ in table_rows() for flag in re.findall(r"--[a-z0-9][a-z0-9-]*", cell)}
     stray = []

@@ -150,7 +150,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
     entropy = check_data_vocab(args, tokenizer.vocab_size)
     plan = build_plan(args, shape, layers_of(spec, config))
-    notes += plan_notes(args, shape)
+    notes += plan_notes(args, shape) + validation_cost_note(args, args.total_steps(shape.global_batch))
     parameters = check_before_launch(spec, config, shape, plan, args)
     check_outputs(args)
     if args.save:
@@ -187,6 +187,23 @@ def check_outputs(args: TrainArgs) -> None:
             make_writable_dir(target)
         except OSError as error:
             raise ArgumentError(f"{flag} {value}: cannot write there ({error.strerror}: {error.filename}). {fix}") from None
+
+
+def validation_cost_note(args: TrainArgs, steps: int) -> list[str]:
+    """A start-up line when validation is a noticeable share of the run's compute (Megatron's
+    default --eval-iters 100 after a short fine-tune ran four times longer than the training):
+    how many validations, of how many batches, and what that costs."""
+    no_validation = args.per_split_paths is not None and not args.valid_data_path
+    if args.eval_iters <= 0 or steps <= 0 or no_validation:
+        return []
+    count = (steps - 1) // args.eval_interval + 1  # every --eval-interval steps before the last, and the final one
+    share = count * args.eval_iters / 3 / steps  # a forward-only batch is about a third of a training step
+    if share < 0.1:
+        return []
+    return [f"validation will cost about {share:.0%} of the training's compute: {count} validation(s) of --eval-iters "
+            f"{args.eval_iters} global batches (forward only, about a third of a step each; a progress line while "
+            "each runs; the final checkpoint is saved before the last one). Fix, if that is more than you want: a "
+            "smaller --eval-iters or a larger --eval-interval"]
 
 
 def save_ownership_notes(args: TrainArgs) -> list[str]:

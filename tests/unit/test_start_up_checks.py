@@ -199,6 +199,19 @@ def test_evaluate_refuses_a_sequence_beyond_the_context(checkpoint, corpus, caps
             capsys.readouterr().err)
 
 
+def test_a_run_says_what_its_validation_will_cost_when_it_is_a_noticeable_share(corpus, capsys):
+    """Issue 32: Megatron's default --eval-iters 100 after a 3-minute fine-tune ran 12 minutes.
+    10 steps with one final validation of 100 batches: 100 / 3 / 10, about 333 %; with
+    --eval-iters 2 the share is 7 % and nothing is said."""
+    from dtmega.train.trainer import train
+
+    train(tiny_args(corpus, train_iters=10, eval_iters=100, eval_interval=1000, dry_run=1))
+    assert ("validation will cost about 333% of the training's compute: 1 validation(s) of --eval-iters 100"
+            in capsys.readouterr().out)
+    train(tiny_args(corpus, train_iters=10, eval_iters=2, eval_interval=1000, dry_run=1))
+    assert "validation will cost" not in capsys.readouterr().out
+
+
 def test_evaluate_of_a_run_takes_the_runs_sequence_length(checkpoint, corpus, capsys):
     """The other half of the one length rule (test_hf_checkpoints.py has the Hugging Face half)."""
     from dtmega.cli import main as dtmega_main

@@ -46,12 +46,18 @@ DATA = Path("runs/demo/data/kjv_text_document")  # relative to the working direc
 # --size 1.5b: the GPU benchmark's Llama (dim 2048, 16 blocks, 32/8 heads, FFN 8192) on one GPU,
 # the demo corpus's 8192-token BPE, seq 2048, 8 sequences per step (FP8 linears of >= 1024 features).
 SIZES = {
-    "demo": {"ranks": 4, "flags": [], "fp8_min_features": "0"},
+    "demo": {"ranks": 4, "flags": [], "fp8_min_features": "0", "where": "demo model on 4 CPU ranks"},
+    # --size tiny: the same runs on 2 ranks (TP2) of a 2-block width-64 model, for checking that the
+    # script works end to end in seconds (the suite's docs test runs it so); not a result
+    "tiny": {"ranks": 2, "fp8_min_features": "0", "where": "tiny model on 2 CPU ranks (a smoke run, not a result)",
+             "flags": ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                       "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "64",
+                       "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4"]},
     "1.5b": {"ranks": 1, "fp8_min_features": "1024", "flags": [
         "--swiglu", "--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "32",
         "--group-query-attention", "--num-query-groups", "8", "--seq-length", "2048", "--max-position-embeddings",
         "2048", "--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
-        "--lr", "3e-4", "--min-lr", "3e-5", "--compile", "inductor"]},
+        "--lr", "3e-4", "--min-lr", "3e-5", "--compile", "inductor"], "where": "Llama 1.5 B on one GPU"},
 }
 
 
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="hybrid (= --fp8-hybrid: e5m2 gradients) or e4m3 everywhere")
     parser.add_argument("--data-path", type=Path, default=DATA, help="the demo corpus (with the tokenizer demo.toml names)")
     parser.add_argument("--size", choices=tuple(SIZES), default="demo",
-                        help="demo: the demo model on 4 CPU ranks; 1.5b: the GPU benchmark's Llama on one GPU")
+                        help="demo: the demo model on 4 CPU ranks; 1.5b: the GPU benchmark's Llama on one GPU; tiny: a "
+                             "2-rank smoke run of the script (not a result)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fp8_training.json")
     args = parser.parse_args(argv)
     if not Path(f"{args.data_path}.idx").exists():
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             [*fp8_flags, "--load", str(middle), "--save", str(tmp / "resumed"), "--save-interval", str(args.steps)],
             tmp, args)
     fp8, resumed = runs["fp8"], runs["fp8-resumed"]
-    where = "demo model on 4 CPU ranks" if args.size == "demo" else "Llama 1.5 B on one GPU"
+    where = SIZES[args.size]["where"]
     table = Table(title=f"{where}, {args.steps} steps: loss by step without FP8 and with FP8 "
                         f"({args.fp8_format}, delayed, history 16, max; the rest {args.precision})")
     table.add_column("step", justify="right")

@@ -46,7 +46,7 @@ BENCHMARK_SCALE = {
     "gpu_step.py": ["--tiny", "--in-process", "--systems", "plain", "dtmega+kernels", "--repeats", "2"],
     "gpu_check.py": [],
     "kernels.py": ["--tiny"],
-    "fp8_training.py": ["--steps", "4", "--warmup", "1", "--log-interval", "1"],
+    "fp8_training.py": ["--steps", "4", "--warmup", "1", "--log-interval", "1", "--size", "tiny"],
     "serve.py": ["--clients", "2", "--requests", "1", "--tokens", "2", "--load", "ckpt"],
 }
 # A real training launch that fits runs this many steps, evaluating and saving once.

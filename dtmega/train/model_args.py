@@ -1,0 +1,61 @@
+"""The model section of `dtmega train`'s arguments: a registered name or Megatron's size flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from dtmega.models.llama.config import NAMED_CONFIGS
+from dtmega.train.arg_fields import opt as _opt
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The model: a registered name or Megatron's size flags, and what the family's config takes."""
+    # sizes and counts that must be >= 1 when given (None: derive it)
+    at_least_one: ClassVar[tuple[str, ...]] = ("num_layers", "hidden_size", "ffn_hidden_size",
+        "num_attention_heads", "num_query_groups", "seq_length", "max_position_embeddings",
+        "make_vocab_size_divisible_by", "kv_channels", "padded_vocab_size", "rotary_seq_len_interpolation_factor")
+    # counts, rates and coefficients where 0 means none but a negative value means nothing
+    at_least_zero: ClassVar[tuple[str, ...]] = ("attention_dropout", "hidden_dropout")
+    # strictly positive reals
+    positive: ClassVar[tuple[str, ...]] = ("init_method_std", "norm_epsilon", "rotary_base", "rotary_percent")
+
+    model: str | None = _opt(None, "a registered model: " + ", ".join(NAMED_CONFIGS) + ", or one of your own "
+                                   "(dtmega.models.register_model in a --custom-import module)")
+    custom_import: list[str] = _opt([], "Python modules to import first (they register models, families, passes)")
+    num_layers: int | None = _opt(None, "transformer blocks")
+    hidden_size: int | None = _opt(None, "model width")
+    ffn_hidden_size: int | None = _opt(None, "MLP width (default: Megatron's SwiGLU rule, 8/3 x hidden, multiple of 64)")
+    num_attention_heads: int | None = _opt(None, "attention heads")
+    group_query_attention: bool = _opt(False, "use grouped-query attention (with --num-query-groups)")
+    num_query_groups: int | None = _opt(None, "key/value heads under --group-query-attention")
+    seq_length: int = _opt(1024, "tokens per sample")
+    max_position_embeddings: int | None = _opt(None, "RoPE table length (default: --seq-length)")
+    init_method_std: float = _opt(0.02, "std of the normal init")
+    untie_embeddings_and_output_weights: bool = _opt(False, "separate input embedding and output layer")
+    swiglu: bool = _opt(False, "SwiGLU MLP (dtmega's Llama always uses it)")
+    normalization: str = _opt("RMSNorm", "norm layer (LayerNorm: not supported yet)", ("RMSNorm", "LayerNorm"))
+    norm_epsilon: float = _opt(1e-5, "norm epsilon")
+    position_embedding_type: str = _opt("rope", "position embedding (learned_absolute and none: not supported yet)",
+                                        ("rope", "learned_absolute", "none"))
+    rotary_base: float = _opt(10000.0, "RoPE theta")
+    rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
+    kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
+    qk_layernorm: bool = _opt(False, "normalize queries and keys per head (not supported yet)")
+    apply_layernorm_1p: bool = _opt(False, "norm weights stored as (1 + w), zero-centred (not supported yet)")
+    attention_backend: str | None = _opt(None, "attention kernel (auto: torch's scaled_dot_product_attention picks it; "
+                                               "the others are not supported yet)",
+                                         ("auto", "flash", "fused", "unfused", "local"))
+    use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
+    make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
+    padded_vocab_size: int | None = _opt(None, "the model's vocabulary size exactly (at least the tokenizer's, a "
+                                               "multiple of TP), instead of the padding --make-vocab-size-divisible-by "
+                                               "computes")
+    rotary_seq_len_interpolation_factor: int | None = _opt(None, "RoPE position interpolation: positions divided by "
+                                                                 "this (only 1 is supported)")
+    attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
+    hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")

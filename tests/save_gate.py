@@ -23,8 +23,8 @@ def _hold_after_save(trainer_module):
     gate, at = os.environ["DTMEGA_TEST_GATE"], int(os.environ["DTMEGA_TEST_GATE_AT"])
     save = trainer_module.Trainer.save
 
-    def held_save(self):
-        path = save(self)
+    def held_save(self, *args, **kwargs):
+        path = save(self, *args, **kwargs)
         marker = os.path.join(gate, f"held-rank{os.environ.get('RANK', '0')}")
         if self.iteration == at and not os.path.exists(marker):
             open(marker, "w").close()

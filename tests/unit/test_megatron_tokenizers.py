@@ -110,5 +110,5 @@ def test_mock_data_trains_without_data_files_with_the_null_tokenizer(tmp_path):
     assert abs(first.losses[0] - math.log(301)) < 0.5
     sample = MockDataset("train", 4, 32, 301, 300, 1)[2]
     assert sample.shape == (33,) and sample.max() < 301 and 300 not in sample.tolist()
-    with pytest.raises(ArgumentError, match="--mock-data and --data-path both"):
+    with pytest.raises(ArgumentError, match="--data-path and --mock-data both say where the samples come from"):
         train(tiny_args(str(tmp_path / "x"), mock_data=True, tokenizer_type="NullTokenizer", vocab_size=300))

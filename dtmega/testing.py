@@ -115,9 +115,8 @@ def compare_training(
         result.loss = max(result.loss, relative_error(par_loss, ref_loss))
         for name, param in parallel.named_parameters():
             assert param.grad is not None, f"{name} got no gradient"
-            grad = full(param.grad)
-            if step == 0 or evaluate_between_steps:
-                error = relative_error(grad, ref_params[name].grad)
+            if step == 0 or evaluate_between_steps:  # gathered only where compared: a gather per parameter
+                error = relative_error(full(param.grad), ref_params[name].grad)
                 result.grads[name] = max(result.grads.get(name, 0.0), error)
                 if error > result.grad:
                     result.grad, result.worst_grad_name = error, name

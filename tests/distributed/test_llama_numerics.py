@@ -88,6 +88,34 @@ def test_tied_embeddings_under_tp_and_fsdp():
     assert_close_to_reference(compare_training(reference, pm, steps=3))
 
 
+def test_shard_by_shard_parameter_errors_equal_the_gathered_ones_and_see_one_shard():
+    """compare_training checks parameters shard by shard (dtmega.testing.parameter_errors, one
+    all-reduce per mesh axis instead of a gather per parameter): under TP2 x FSDP2 (strided
+    shards) it equals relative_error of the gathered parameter, and an error in one rank's shard
+    of one parameter shows in that parameter only."""
+    from dtmega.testing import parameter_errors
+
+    reference, meta_copy = build_dtmega_llama(debug_llama(), seed=3)
+    expected = dict(reference.named_parameters())
+    pm = dtmega.parallelize(
+        meta_copy(), first_copy_mesh(dp_shard=2, tp=2), [TensorParallel(), SequenceParallel(), DataParallel("fsdp")]
+    )
+    pm.init_weights(seed=4)  # another seed: every parameter differs from the reference
+    errors = parameter_errors(pm, expected)
+    for name, param in pm.named_parameters():
+        gathered = relative_error(full(param), expected[name])
+        assert abs(errors[name] - gathered) <= 1e-9 * gathered, (name, errors[name], gathered)
+        assert gathered > 1e-2 or name.endswith("norm.weight"), name  # norms start at ones on any seed
+    pm.init_weights(seed=3)
+    assert max(parameter_errors(pm, expected).values()) == 0.0
+    target = "layers.1.attention.wq.weight"
+    if torch.distributed.get_rank() == 3:
+        with torch.no_grad():
+            dict(pm.named_parameters())[target].to_local()[0, 0] += 1.0
+    errors = parameter_errors(pm, expected)
+    assert errors[target] > 1e-3 and all(error == 0.0 for name, error in errors.items() if name != target), errors
+
+
 def test_sharded_init_equals_unsharded_init():
     reference, meta_copy = build_dtmega_llama(debug_llama(), seed=7)
     pm = dtmega.parallelize(

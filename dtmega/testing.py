@@ -151,7 +151,9 @@ def parameter_errors(parallel: dtmega.ParallelModel, ref_params: dict[str, torch
     names = sorted(ref_params)
     index = {name: i for i, name in enumerate(names)}
     sums = torch.zeros(len(names), 2, dtype=torch.float64)  # [squared error, squared reference norm]
+    held = []
     for name, param in parallel.named_parameters():
+        held.append(name)
         expected = ref_params[name].detach()
         actual = param.detach()
         if isinstance(actual, DTensor):
@@ -165,7 +167,6 @@ def parameter_errors(parallel: dtmega.ParallelModel, ref_params: dict[str, torch
         for axis in range(mesh.ndim):
             if mesh.size(axis) > 1:
                 dist.all_reduce(sums, group=mesh.get_group(axis))
-    held = set(dict(parallel.named_parameters()))
     errors = {}
     for name in held:
         diff, scale = sums[index[name]].sqrt().tolist()

@@ -88,7 +88,10 @@ def pytest_sessionfinish(session, exitstatus):
     dist.all_gather_object(everyone, _FAILURES)
     if dist.get_rank() == 0:
         threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else "?"
-        print(f"\nthreads in rank 0 at the end (gloo keeps three per process group): {threads}")
+        print(f"\nthreads in rank 0 at the end (gloo keeps three per process group): {threads}; "
+              f"process groups: {_live_groups()}")
+        most = sorted(_GROUPS_MADE.items(), key=lambda item: -item[1])[:8]
+        print("process groups made by test (the most): " + ", ".join(f"{nodeid} {n}" for nodeid, n in most))
         for rank, failures in enumerate(everyone):
             for nodeid in failures:
                 print(f"\nrank {rank} failed: {nodeid}")
@@ -96,12 +99,69 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+# Every gloo process group keeps a thread that wakes ~100 times a second even when idle
+# (measured: 150 idle groups cost each of 4 ranks 23 % of a core, half of this 2-core machine),
+# and groups cannot be destroyed once a test is done with them: DTensor's caches key on a mesh's
+# shape and names, not its groups, so a later mesh of the same shape would find the destroyed
+# groups there. So meshes of one shape share their groups: `dtmega.make_mesh` and
+# `split_world` (the trainer's, the examples', `dtmega evaluate`'s) return the suite's cached
+# mesh of those sizes (tests.helpers.mesh, the same mesh by test_meshes.py). The session prints
+# how many groups the tests made and which made the most.
+_GROUPS_MADE: dict[str, int] = {}
+
+
+def _live_groups() -> int:
+    from torch.distributed.distributed_c10d import _world
+
+    return len(_world.pg_map)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_mesh_per_shape():
+    import dtmega.mesh
+    from dtmega.mesh import AXES
+    from tests.helpers import mesh
+
+    real = _REAL_INIT_DEVICE_MESH[0] = dtmega.mesh.init_device_mesh
+    others: dict = {}
+
+    def shared(device_type, mesh_shape, *, mesh_dim_names=None, **options):
+        names, shape = tuple(mesh_dim_names or ()), tuple(mesh_shape)
+        if device_type == "cpu" and not options and names in (AXES, ("replica", *AXES)):
+            sizes = dict(zip(AXES, shape[-len(AXES):]))
+            if names == AXES or shape[0] * mesh(**sizes).size() == dist.get_world_size():
+                cached = mesh(**sizes)
+                return cached if names == AXES else cached._get_root_mesh()
+        key = (device_type, shape, names, tuple(sorted(options.items())))
+        if key not in others:
+            others[key] = real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **options)
+        return others[key]
+
+    dtmega.mesh.init_device_mesh = shared
+    yield
+    dtmega.mesh.init_device_mesh = real
+
+
+_REAL_INIT_DEVICE_MESH: list = [None]
+
+
+@pytest.fixture
+def fresh_library_meshes(monkeypatch):
+    """For the tests of the cache itself: dtmega's meshes built by torch, with fresh groups."""
+    import dtmega.mesh
+
+    monkeypatch.setattr(dtmega.mesh, "init_device_mesh", _REAL_INIT_DEVICE_MESH[0])
+
+
 @pytest.fixture(autouse=True)
-def _lockstep():
+def _lockstep(request):
     """Seeds every test alike on every rank and keeps ranks in step between tests."""
     torch.manual_seed(0)
+    before = _live_groups()
     yield
     dist.barrier(group=_BETWEEN_TESTS)
+    if _live_groups() > before:
+        _GROUPS_MADE[request.node.nodeid] = _live_groups() - before
 
 
 @pytest.fixture

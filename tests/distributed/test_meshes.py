@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from dtmega.mesh import split_world
+from dtmega.mesh import make_mesh, split_world
 from dtmega.passes.program import Program
 from tests.helpers import WORLD, mesh
 
@@ -18,11 +18,23 @@ def describe(device_mesh) -> tuple:
 
 
 @pytest.mark.parametrize("sizes", [dict(tp=2), dict(cp=2, dp_shard=2), dict(pp=2, ep=2)], ids=str)
-def test_cached_mesh_equals_split_world(sizes):
+def test_cached_mesh_equals_split_world(sizes, fresh_library_meshes):
     ranks = 1
     for size in sizes.values():
         ranks *= size
     assert describe(mesh(**sizes)) == describe(split_world(WORLD // ranks, device_type="cpu", **sizes))
+
+
+def test_cached_mesh_equals_make_mesh(fresh_library_meshes):
+    assert describe(mesh(dp_shard=2, tp=2)) == describe(make_mesh(dp_shard=2, tp=2, device_type="cpu"))
+
+
+def test_the_library_meshes_share_the_cached_meshes_groups():
+    """tests/distributed/conftest.py: in the suite, `make_mesh` and `split_world` return the
+    cached mesh of their sizes (one set of process groups per shape, not one per training run)."""
+    assert make_mesh(dp_shard=2, tp=2, device_type="cpu") is mesh(dp_shard=2, tp=2)
+    assert describe(split_world(2, tp=2, device_type="cpu")) == describe(mesh(tp=2))
+    assert split_world(2, tp=2, device_type="cpu").get_group("tp") is mesh(tp=2).get_group("tp")
 
 
 def test_flat_submesh_of_one_wide_axis_is_that_axis():

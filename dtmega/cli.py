@@ -95,15 +95,28 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
     if command in SLOW_TO_START and not {"-h", "--help"} & set(rest) and os.environ.get("RANK", "0") == "0":
         # importing torch and the passes takes seconds; say so at once (stderr: output stays pipeable)
         Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
-    module = importlib.import_module(commands[command])
-    from dtmega.joining import DistributedTimeout, PeerFailed
-    from dtmega.kernels.errors import DtmegaError
-    from dtmega.rank_errors import describe, peers_failures, report_failure
-    status = 0
-    previous = None
-    if command != "serve" and threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # serve finishes its requests on SIGTERM itself
+    # SIGTERM while the command's module imports (seconds) is held until the import is done: torchrun
+    # stops every rank once one fails, and a rank still importing would otherwise die silently
+    # (exit -15) instead of saying which peer failed and why (seen in CI under load). serve
+    # finishes its requests on SIGTERM itself.
+    handles_sigterm = command != "serve" and threading.current_thread() is threading.main_thread()
+    held: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum)) if handles_sigterm else None
     try:
+        module = importlib.import_module(commands[command])
+        from dtmega.joining import DistributedTimeout, PeerFailed
+        from dtmega.kernels.errors import DtmegaError
+        from dtmega.rank_errors import describe, peers_failures, report_failure
+    except BaseException:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        raise
+    status = 0
+    if handles_sigterm:
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        if held:
+            raise Stopped()
         module.main(rest)
     # Every input error (PlanError, ArgumentError, CheckpointError, ...) is a DtmegaError whose
     # message names the fix: one line, exit 2. Anything else is a bug: its traceback, exit 1.

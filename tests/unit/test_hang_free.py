@@ -81,7 +81,7 @@ def test_log_straggler_names_the_slow_rank(corpus, tmp_path):
     done = _torchrun("slow-data", 1, argv)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("stragglers:")]
-    assert len(lines) == 3 and all("fetching the batch min" in line for line in lines)
+    assert len(lines) == 3 and all("fetching the batch min" in line for line in lines), done.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines() if "straggler_data_ms_max" in line]
     assert len(records) == 3
     for record in records:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers import WORLD
 
@@ -118,31 +119,28 @@ def _live_groups() -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_mesh_per_shape():
+    """The library's meshes, for the whole session, are the suite's cached mesh of their sizes
+    (dtmega's named axes, or those under a `replica` axis: split_world's), or one mesh per other
+    shape: the library builds its meshes through `dtmega.mesh.init_device_mesh`."""
     import dtmega.mesh
     from dtmega.mesh import AXES
     from tests.helpers import mesh
 
-    real = _REAL_INIT_DEVICE_MESH[0] = dtmega.mesh.init_device_mesh
     others: dict = {}
 
     def shared(device_type, mesh_shape, *, mesh_dim_names=None, **options):
         names, shape = tuple(mesh_dim_names or ()), tuple(mesh_shape)
         if device_type == "cpu" and not options and names in (AXES, ("replica", *AXES)):
-            sizes = dict(zip(AXES, shape[-len(AXES):]))
-            if names == AXES or shape[0] * mesh(**sizes).size() == dist.get_world_size():
-                cached = mesh(**sizes)
-                return cached if names == AXES else cached._get_root_mesh()
+            cached = mesh(**dict(zip(AXES, shape[-len(AXES):])))  # the replica axis is what is left of the world
+            return cached if names == AXES else cached._get_root_mesh()
         key = (device_type, shape, names, tuple(sorted(options.items())))
         if key not in others:
-            others[key] = real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **options)
+            others[key] = init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **options)
         return others[key]
 
     dtmega.mesh.init_device_mesh = shared
     yield
-    dtmega.mesh.init_device_mesh = real
-
-
-_REAL_INIT_DEVICE_MESH: list = [None]
+    dtmega.mesh.init_device_mesh = init_device_mesh
 
 
 @pytest.fixture
@@ -150,7 +148,7 @@ def fresh_library_meshes(monkeypatch):
     """For the tests of the cache itself: dtmega's meshes built by torch, with fresh groups."""
     import dtmega.mesh
 
-    monkeypatch.setattr(dtmega.mesh, "init_device_mesh", _REAL_INIT_DEVICE_MESH[0])
+    monkeypatch.setattr(dtmega.mesh, "init_device_mesh", init_device_mesh)
 
 
 @pytest.fixture(autouse=True)
@@ -160,8 +158,9 @@ def _lockstep(request):
     before = _live_groups()
     yield
     dist.barrier(group=_BETWEEN_TESTS)
-    if _live_groups() > before:
-        _GROUPS_MADE[request.node.nodeid] = _live_groups() - before
+    made = _live_groups() - before
+    if made > 0:
+        _GROUPS_MADE[request.node.nodeid] = made
 
 
 @pytest.fixture

@@ -1,14 +1,15 @@
-"""dtmega's FP8 linear on the CPU (torch._scaled_mm and the float8 dtypes run there): each
-recipe against a float64 computation of the same quantize-dequantize math (forward and both
-gradients: exact up to fp32 accumulation, 1e-5), against bf16 matmuls (5e-2: FP8's 3-bit
-mantissa), and delayed scaling's history and scales step by step."""
+"""dtmega's FP8 linear on the CPU (the float8 dtypes run there): the CPU's scaled matmul against
+torch._scaled_mm (what CUDA runs; torch has a slow CPU version of it), each recipe against a
+float64 computation of the same quantize-dequantize math (forward and both gradients: exact up to
+fp32 accumulation, 1e-5), against bf16 matmuls (5e-2: FP8's 3-bit mantissa), and delayed
+scaling's history and scales step by step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dtmega.kernels.float8 import E4M3, E5M2, FP8_MAX, Float8Recipe, quantize, scale_from_amax
+from dtmega.kernels.float8 import E4M3, E5M2, FP8_MAX, Float8Recipe, quantize, scale_from_amax, scaled_mm, scaled_mm_cuda
 from dtmega.kernels.float8_linear import Float8State, float8_linear, reduce_and_update_scales
 from tests.helpers import relative_error
 
@@ -68,6 +69,29 @@ def test_fp8_linear_is_its_quantize_dequantize_math(recipe):
     # Against bf16 matmuls: FP8 keeps 3 (e4m3) or 2 (e5m2) mantissa bits.
     bf16 = x.bfloat16().float() @ w.bfloat16().float().t()
     assert relative_error(out, bf16) < 5e-2
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3-e4m3", "e5m2-e4m3"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cpu_scaled_matmul_is_torch_scaled_mm(scaling, dtypes, out_dtype):
+    """`scaled_mm` off CUDA upcasts to an fp32 matmul; torch._scaled_mm (CUDA's path, and torch's
+    slow CPU kernel) accumulates the same exact FP8 products in fp32. Both layouts of b (a weight
+    transposed, a contiguous activation), an odd M and K. Bound: fp32 summation order (1e-6
+    relative; measured 0), or one bf16 rounding of the output (2^-8) when the output is bf16."""
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 37, 80, 48
+    a = quantize(torch.randn(m, k, generator=g), torch.tensor(20.0), dtypes[0])
+    weight = quantize(torch.randn(n, k, generator=g), torch.tensor(40.0), dtypes[1])
+    if scaling == "tensor":
+        scale_a, scale_b = torch.tensor(20.0), torch.tensor(40.0)
+    else:
+        scale_a, scale_b = torch.rand(m, 1, generator=g) * 50 + 1, torch.rand(1, n, generator=g) * 50 + 1
+    for b in (weight.t(), weight.t().contiguous()):
+        mine = scaled_mm(a, b, scale_a, scale_b, out_dtype)
+        torch_s = scaled_mm_cuda(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype)
+        assert mine.dtype == torch_s.dtype == out_dtype
+        assert relative_error(mine, torch_s) <= (1e-6 if out_dtype == torch.float32 else 2 ** -8)
 
 
 def test_delayed_scaling_rolls_its_history_and_follows_the_rule():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -95,28 +94,26 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
     if command in SLOW_TO_START and not {"-h", "--help"} & set(rest) and os.environ.get("RANK", "0") == "0":
         # importing torch and the passes takes seconds; say so at once (stderr: output stays pipeable)
         Console(stderr=True).print(f"[dim]dtmega {command}: starting (importing torch)[/dim]", highlight=False)
-    # SIGTERM while the command's module imports (seconds) is held until the import is done: torchrun
-    # stops every rank once one fails, and a rank still importing would otherwise die silently
-    # (exit -15) instead of saying which peer failed and why (seen in CI under load). serve
-    # finishes its requests on SIGTERM itself.
-    handles_sigterm = command != "serve" and threading.current_thread() is threading.main_thread()
-    held: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum)) if handles_sigterm else None
+    # Ctrl-C and SIGTERM are recorded as well as raised, so one swallowed in a finalizer is raised
+    # again at the next step (stop_signals.py); while the command's module imports they are held
+    # until the import is done. serve finishes its requests on a stop itself.
+    from dtmega.stop_signals import Stopped, StopSignals
+
+    handles_stops = command != "serve" and threading.current_thread() is threading.main_thread()
+    stops = StopSignals(holding=True).install() if handles_stops else None
     try:
         module = importlib.import_module(commands[command])
         from dtmega.joining import DistributedTimeout, PeerFailed
         from dtmega.kernels.errors import DtmegaError
         from dtmega.rank_errors import describe, peers_failures, report_failure
     except BaseException:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if stops is not None:
+            stops.restore()
         raise
     status = 0
-    if handles_sigterm:
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        if held:
-            raise Stopped()
+        if stops is not None:
+            stops.release()  # raises a stop that arrived during the import
         module.main(rest)
     # Every input error (PlanError, ArgumentError, CheckpointError, ...) is a DtmegaError whose
     # message names the fix: one line, exit 2. Anything else is a bug: its traceback, exit 1.
@@ -154,8 +151,8 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
         _say(command, f"{describe(failures)} (this rank's collective broke: {broke})")
         return 2, True  # the group is broken: the process ends without finalization
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if stops is not None:
+            stops.restore()
     return status, _shut_down_process_group()
 
 
@@ -181,14 +178,6 @@ def _tell_torchrun(line: str) -> None:
             json.dump({"message": line, "timestamp": int(time.time())}, out)
     except OSError:
         pass  # the summary then says what it says without us: the line above is on the console anyway
-
-
-class Stopped(BaseException):
-    """SIGTERM arrived (a scheduler's preemption, torchrun stopping its workers): unwinds like Ctrl-C."""
-
-
-def _stop_on_sigterm(signum, frame) -> None:
-    raise Stopped()
 
 
 def _process_group_exists() -> bool:

@@ -29,6 +29,7 @@ from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
 from dtmega.moe_runtime import MoERuntime
+from dtmega.stop_signals import raise_if_stopped
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
 from dtmega.train.checkpoint import (
     CheckpointError,
@@ -84,6 +85,7 @@ def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod
     total, tokens = 0.0, 0.0
     pm.eval()
     for _, batch in zip(range(args.eval_iters), loader):
+        raise_if_stopped()
         loss_sum, count = pm.loss_sum(batch.to(pm.mesh.device_type))
         total, tokens = total + float(loss_sum), tokens + float(count)
         if on_batch is not None:
@@ -499,6 +501,7 @@ class Trainer:
                 f"{length.split()[0]} to train on"
             )
         while self.iteration < self.train_iters:
+            raise_if_stopped()  # a Ctrl-C or SIGTERM swallowed in a finalizer during the last step
             self.progress.mark(self.iteration + 1, "loading data")
             fetch_start = time.perf_counter()
             with self.timers.phase("data"):

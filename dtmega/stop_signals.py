@@ -44,11 +44,14 @@ class StopSignals:
 
     def install(self, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> StopSignals:
         """Handlers that record the signal and raise its exception (KeyboardInterrupt for SIGINT,
-        `Stopped` for SIGTERM); a no-op outside the main thread, where Python cannot set them."""
+        `Stopped` for SIGTERM); a no-op outside the main thread, where Python cannot set them. A
+        signal this process was started with ignored stays ignored, as Python leaves it: a shell
+        script's `dtmega train ... &` is meant not to stop on the terminal's Ctrl-C."""
         if threading.current_thread() is not threading.main_thread():
             return self
         for signum in signums:
-            self._previous.setdefault(signum, signal.signal(signum, self._handle))
+            if signum not in self._previous and signal.getsignal(signum) is not signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._handle)
         if self._previous_hook is None:
             self._previous_hook = sys.unraisablehook
             sys.unraisablehook = self._unraisable

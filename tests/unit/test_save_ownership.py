@@ -195,8 +195,15 @@ def test_an_interrupt_ends_in_one_line_with_its_exit_status(corpus, tmp_path, si
     save = tmp_path / "ckpt"
     command = [sys.executable, "-m", "dtmega", "train", *tiny_args(corpus, train_iters=100000, save=str(save),
                                                                       save_interval=2, log_interval=1, eval_iters=1)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    # started as a terminal's foreground job: SIGINT not ignored even when this suite runs as a
+    # background job of a non-interactive shell (which ignores SIGINT, inherited by every child;
+    # a Python handler is not inherited: the child starts with the default)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     for line in process.stdout:
         if "saved checkpoint" in line:
             break

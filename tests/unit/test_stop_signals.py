@@ -32,8 +32,18 @@ def _swallow(signum: int) -> None:
     gc.collect()
 
 
+@pytest.fixture
+def foreground(monkeypatch):
+    """Ctrl-C as a foreground process gets it (a suite started in the background by a
+    non-interactive shell has SIGINT ignored, which the command keeps: see the last test)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum, exception", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Stopped)])
-def test_a_stop_swallowed_in_a_finalizer_is_raised_again_and_said_once(signum, exception, capfd):
+def test_a_stop_swallowed_in_a_finalizer_is_raised_again_and_said_once(signum, exception, capfd, foreground):
+    before = signal.getsignal(signum)
     stops = StopSignals().install()
     try:
         _swallow(signum)  # the premise: this returns, the exception went nowhere
@@ -44,10 +54,10 @@ def test_a_stop_swallowed_in_a_finalizer_is_raised_again_and_said_once(signum, e
     finally:
         stops.restore()
     raise_if_stopped()  # nothing once the command is over
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signum) is before
 
 
-def test_a_stop_during_the_import_is_held_until_it_is_done():
+def test_a_stop_during_the_import_is_held_until_it_is_done(foreground):
     stops = StopSignals(holding=True).install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -58,7 +68,7 @@ def test_a_stop_during_the_import_is_held_until_it_is_done():
         stops.restore()
 
 
-def test_training_stops_at_the_next_step_after_a_swallowed_ctrl_c(tmp_path, monkeypatch, capsys):
+def test_training_stops_at_the_next_step_after_a_swallowed_ctrl_c(tmp_path, monkeypatch, capsys, foreground):
     from dtmega.train.trainer import Trainer
 
     corpus = prepare_corpus(tmp_path, documents=60)
@@ -75,3 +85,17 @@ def test_training_stops_at_the_next_step_after_a_swallowed_ctrl_c(tmp_path, monk
     err = capsys.readouterr().err
     assert status == 130 and steps == [1, 2], (status, steps)
     assert "stopped by SIGINT (Ctrl-C)" in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_signal_the_process_started_with_ignored_stays_ignored(foreground):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stops = StopSignals().install()
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))
+        raise_if_stopped()
+        assert stops.received == []
+    finally:
+        stops.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

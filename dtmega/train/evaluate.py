@@ -23,7 +23,7 @@ from dtmega.progress import progress_bar
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.restore import add_model_source, restore_with_progress
 from dtmega.train.setup import run_shape
-from dtmega.train.trainer import evaluate_loss
+from dtmega.train.evaluate_loss import evaluate_loss
 
 
 def build_parser() -> argparse.ArgumentParser:

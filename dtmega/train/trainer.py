@@ -10,13 +10,10 @@ import gc
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +37,8 @@ from dtmega.train.checkpoint import (
     select_checkpoint,
 )
 from dtmega.train.divergence import StepHealth
+from dtmega.train.evaluate_loss import evaluate_loss
+from dtmega.train.exit_conditions import ExitConditions
 from dtmega.train.metric_sinks import open_sinks
 from dtmega.train.metrics import (
     MetricsLogger,
@@ -76,24 +75,6 @@ class TrainResult:
     unigram_entropy: float | None = None
 
 
-def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int,
-                  on_batch: Callable[[], None] | None = None) -> float:
-    """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`;
-    `on_batch()` after each (a progress bar's `advance`)."""
-    loader = BatchLoader(dataset, shape.global_batch, pm.dp_rank, shape.dp, eod=eod,
-                         eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
-    total, tokens = 0.0, 0.0
-    pm.eval()
-    for _, batch in zip(range(args.eval_iters), loader):
-        raise_if_stopped()
-        loss_sum, count = pm.loss_sum(batch.to(pm.mesh.device_type))
-        total, tokens = total + float(loss_sum), tokens + float(count)
-        if on_batch is not None:
-            on_batch()
-    pm.train()
-    return total / max(tokens, 1.0)
-
-
 # With --tensorboard-log-interval these go to TensorBoard and W&B from each N-th step's own record
 # (not the --log-interval window's mean), so each series has one value per step.
 PER_STEP_FIELDS = ("loss", "lr", "grad_norm", "loss_scale")
@@ -113,11 +94,12 @@ class Trainer:
 
     def _set_up(self, args: TrainArgs, notes: list[str], mesh=None) -> None:
         """Everything `run()` needs: checks, process group, model, plan, checkpoint, data."""
-        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
+        started = time.monotonic()  # --exit-duration-in-mins counts from here
         self.device_type = default_device_type()
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         run = prepare_run(args, world)  # every argument and file checked before any process group
         self.args = args = run.args  # with what start-up derived (--auto-plan's choices, a fresh start)
+        self.exits = ExitConditions(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler, started)
         if args.logging_level is not None:  # Megatron's --logging-level: every logger, torch's included
             logging.getLogger().setLevel(args.logging_level)
         init_distributed(self.device_type, timeout=timedelta(minutes=args.distributed_timeout_minutes))
@@ -379,29 +361,6 @@ class Trainer:
             raise DtmegaError(problem)
         self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
 
-    def _note_sigterm(self, signum, frame) -> None:
-        """--exit-signal-handler: SIGTERM (a scheduler's preemption) is noted; the step under way
-        finishes, every rank agrees, the run saves and stops with status 0."""
-        self.sigterm = True
-
-    def _exit_reason(self) -> str | None:
-        """Why the run stops after this step (--exit-interval, --exit-duration-in-mins), or None.
-        The duration is agreed on by every rank (one all-reduce of a flag per step, only with the
-        flag), so all of them save and stop at the same step."""
-        args = self.args
-        if args.exit_interval and self.iteration % args.exit_interval == 0:
-            return f"--exit-interval {args.exit_interval}"
-        if args.exit_duration_in_mins is None and not args.exit_signal_handler:
-            return None
-        minutes = (time.monotonic() - self.started) / 60
-        flags = torch.tensor([float(args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins),
-                              float(getattr(self, "sigterm", False))])
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        if flags[1] > 0:
-            return "SIGTERM received (--exit-signal-handler)"
-        return f"--exit-duration-in-mins {args.exit_duration_in_mins:g} reached" if flags[0] > 0 else None
-
     def _release_memory(self, after_validation: bool) -> None:
         """--manual-gc's collections (every --manual-gc-interval steps; around validations unless
         --no-manual-gc-eval) and --empty-unused-memory-level's CUDA cache release."""
@@ -450,12 +409,10 @@ class Trainer:
     def run(self) -> TrainResult:
         """Trains to --train-iters; a collective that times out becomes a DistributedTimeout
         naming where every rank is (watch.py)."""
-        previous = None
         collecting = gc.isenabled()
         if self.args.manual_gc:
             gc.disable()  # collected at --manual-gc-interval steps and around validations instead
-        if self.args.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._note_sigterm)  # replaces the CLI's stop-at-once
+        self.exits.start()
         try:
             return self._run()
         except Exception as error:
@@ -467,8 +424,7 @@ class Trainer:
         finally:
             if self.args.manual_gc and collecting:
                 gc.enable()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            self.exits.stop()
             if self.save_lock is not None:
                 self.save_lock.release()
 
@@ -559,7 +515,7 @@ class Trainer:
                     result.checkpoint = published
                     if health is not None:
                         health.last_checkpoint = str(published)
-            stop = None if last else self._exit_reason()
+            stop = None if last else self.exits.reason(self.iteration)
             if self.iteration % args.eval_interval == 0 and not last and stop is None:
                 self.progress.mark(self.iteration, "validation")
                 self.validate(result)

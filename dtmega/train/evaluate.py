@@ -21,9 +21,9 @@ from dtmega.data.vocab_check import check_data_ids
 from dtmega.printing import console
 from dtmega.progress import progress_bar
 from dtmega.train.args import ArgumentError, TrainArgs
+from dtmega.train.evaluate_loss import evaluate_loss
 from dtmega.train.restore import add_model_source, restore_with_progress
 from dtmega.train.setup import run_shape
-from dtmega.train.evaluate_loss import evaluate_loss
 
 
 def build_parser() -> argparse.ArgumentParser:

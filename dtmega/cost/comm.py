@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtmega.cost.frameworks import framework_named
+from dtmega.cost.memory import recomputed_blocks
 from dtmega.cost.shapes import DTYPE_BYTES, ModelShape, PlanShape
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -45,7 +47,9 @@ def collectives(model: ModelShape, plan: PlanShape, seq: int) -> list[Collective
     act = tokens * h * e
     out: list[Collective] = []
     forwards = 2 if plan.recompute == "full" else 1  # full recompute runs each block's forward twice
-    if plan.tp > 1:
+    if plan.tp > 1 and framework_named(plan.framework).tp_collectives == "megatron":
+        out += _megatron_tensor_parallel(model, plan, tokens, layers)
+    elif plan.tp > 1:
         # Per block and micro-batch (counted on CPU/gloo with CommDebugMode, docs/planning.md):
         # forward, the attention's and the MLP's outputs (2); backward, the input gradient of each
         # column-parallel linear (wq, wk, wv, w1, w3: 5, as DTensor reduces each consumer's
@@ -102,12 +106,41 @@ def collectives(model: ModelShape, plan: PlanShape, seq: int) -> list[Collective
         # gradients to the one before, except at the pipeline's ends: the busiest rank is a
         # middle one (2 per chunk), or with two ranks either (one fewer); the loss comes back
         # from the last stage (one fp32 all-reduce, and the MoE balancing loss's)
+        # from the last stage (one fp32 all-reduce, and the MoE balancing loss's). Under SP a
+        # stage's output is its sequence shard, and that is what is sent. Megatron overlaps the
+        # interleaved schedule's sends with the next chunk's compute (overlap_p2p_comm).
         sends = mbs * (2 * plan.vp - (1 if plan.pp == 2 else 0))
         scalars = 2 if model.experts else 1
-        out += [Collective("pp", "send", sends, sends * act, 2, False),
+        payload = act / plan.tp if plan.sp else act
+        hidden = plan.vp > 1 and framework_named(plan.framework).tp_collectives == "megatron"
+        out += [Collective("pp", "send", sends, sends * payload, 2, hidden),
                 Collective("pp", "all_reduce", scalars, 4 * scalars, plan.pp, False)]
     out += _data_parallel(model, plan)
     return [c for c in out if c.count > 0]
+
+
+def _megatron_tensor_parallel(model: ModelShape, plan: PlanShape, tokens: float, layers: int) -> list[Collective]:
+    """Megatron-Core's sequence-parallel TP per block and micro-batch: forward all-gathers the
+    attention's and the MLP's input and reduce-scatters their outputs; backward all-gathers the
+    output gradients, reduce-scatters the input gradients and all-gathers the saved (sharded)
+    inputs again for the weight gradients: 4 all-gathers and 2 reduce-scatters of [tokens, h]
+    per block backward, 2 and 2 forward (a recomputed block's forward again). The inputs of FP8
+    linears are gathered in FP8 (Transformer Engine casts before the gather). Without SP, the
+    same regions all-reduce (2 forward, 2 backward)."""
+    e = DTYPE_BYTES[plan.dtype]
+    gathered = 1 if plan.fp8 else e
+    act = tokens * model.dim
+    blocks = layers * plan.microbatches
+    again = recomputed_blocks(plan, layers) * plan.microbatches
+    if not plan.sp:
+        count = 4 * blocks + 2 * again
+        return [Collective("tp", "all_reduce", count, count * act * e, plan.tp, False)]
+    input_gathers = 2 * blocks + 2 * blocks + 2 * again  # forward, backward's weight gradients, recompute
+    grad_gathers = 2 * blocks
+    scatters = 2 * blocks + 2 * blocks + 2 * again
+    return [Collective("tp", "all_gather", input_gathers + grad_gathers,
+                       (input_gathers * gathered + grad_gathers * e) * act, plan.tp, False),
+            Collective("tp", "reduce_scatter", scatters, scatters * act * e, plan.tp, False)]
 
 
 def _data_parallel(model: ModelShape, plan: PlanShape) -> list[Collective]:
@@ -128,6 +161,15 @@ def _data_parallel(model: ModelShape, plan: PlanShape) -> list[Collective]:
     data = plan.dp * plan.cp
     # the step's loss and token count (fp32), and the MoE balancing loss
     scalars = Collective("dp", "all_reduce", 3 if model.experts else 2, 12 if model.experts else 8, data, False)
+    if plan.dp_mode == "distributed-optimizer":
+        # Megatron's distributed optimizer: each bucket's bf16 gradients reduce-scattered once per
+        # step (overlapped with backward), the updated weights all-gathered (overlapped with the
+        # next forward; in FP8 with --fp8-param-gather), over the data x context ranks
+        e = DTYPE_BYTES[plan.dtype]
+        held = dense + experts
+        weight_bytes = 1 if plan.fp8_param_gather else e
+        return [Collective("dp", "reduce_scatter", units + 1, e * held, data, True),
+                Collective("dp", "all_gather", units + 1, weight_bytes * held, data, True), scalars]
     if plan.dp_mode == "ddp":  # one all-reduce of fp32 gradients per unit (each block and the root)
         return [Collective("dp", "all_reduce", units + 1, 4 * dense, data, True),
                 Collective("dp_expert", "all_reduce", expert_units, 4 * experts, data // plan.ep, True), scalars]
@@ -140,6 +182,8 @@ def _data_parallel(model: ModelShape, plan: PlanShape) -> list[Collective]:
     # each block and the root all-gather forward, the (resharded) blocks again backward; each
     # unit reduce-scatters its fp32 gradients once per step
     expert_ranks = max(1, shard_ranks // plan.ep)
+    if plan.fp8_param_gather:  # FP8 all-gather of the weights (one byte), the norms' few bytes aside
+        e = 1
     out = [Collective("dp_shard", "all_gather", mbs * (units * (1 + regathers) + 1), (dense + blocks * regathers) * e * mbs,
                       shard_ranks, True),
            Collective("dp_shard", "reduce_scatter", units + 1, 4 * dense, shard_ranks, True),

@@ -35,7 +35,11 @@ class Hardware:
     inter_node_bandwidth: float = 0.0  # per-GPU bus bandwidth across nodes
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 20e-6
-    efficiency: float = 0.5  # fraction of peak a step's matmuls reach
+    efficiency: float = 0.5  # fraction of the bf16 peak large matmuls reach (CPU files: a whole step's matmuls)
+    fp8_efficiency: float | None = None  # fraction of the FP8 peak large FP8 matmuls reach (None: `efficiency`)
+    # fraction of the bf16 peak a flash-attention kernel reaches, forward and backward, counting
+    # the causal FLOPs it does; None (CPU files): attention is part of the one calibrated rate
+    attention_efficiency: float | None = None
     op_overhead: float = 0.0  # seconds of fixed cost per operator launch (the CPU's dispatch, GPU launches)
     # extra seconds per operator on DTensors (tensor-parallel blocks) where the host's dispatch is
     # on the critical path (CPUs); 0 on GPUs, whose host runs ahead of the kernels
@@ -65,7 +69,7 @@ class Hardware:
 
     def to_toml(self, path: str | Path | None = None) -> str:
         """The description as TOML (what `dtmega calibrate` writes and `--gpu FILE` reads)."""
-        return dump_toml(dataclasses.asdict(self), path)
+        return dump_toml({k: v for k, v in dataclasses.asdict(self).items() if v is not None}, path)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "Hardware":
@@ -93,13 +97,49 @@ def _datasheet(gpu: str, fp8: float | None = None) -> dict[str, float]:
     return {"float8": fp8 * _T, **rates} if fp8 else rates
 
 
+# Sources of the built-in figures (docs/planning.md, "Hardware files"):
+# - peaks: NVIDIA's datasheets, dense (H100 SXM5 / H200 SXM: 989.4 TFLOP/s bf16, 1,978.9 fp8;
+#   A100: 312; B200: 2,250 and 4,500), dtmega/cost/datasheets.py;
+# - memory: what the device offers to allocations (torch's total_memory), not the marketing
+#   figure: an "80 GB" H100 SXM 79.2 GiB (85.03e9 bytes), a "96 GB" H100 (HBM2e) 95.0 GiB
+#   (torchtitan's log: 82.4 GiB is 86.73 % of it), an H200 139 GiB (what the device tool here
+#   reports usable on one);
+# - HBM bandwidth: datasheets (H100 SXM5 3.35 TB/s, H200 4.8, the 96 GB HBM2e part 2.4 as
+#   torchtitan's benchmark page states);
+# - bf16 GEMM efficiency 0.796: 787 TFLOP/s measured on this project's H100 for the fused loss's
+#   GEMMs (docs/kernels.md); FP8 0.81: cuBLASLt 8192^3 e4m3 GEMMs at 1,599-1,630 TFLOP/s on sixteen
+#   H100s (a public cross-check report, docs/planning.md);
+# - attention 0.55: FlashAttention-3 / cuDNN on H100 at head dim 128, long causal sequences,
+#   forward ~600-740 and backward ~450-550 TFLOP/s (the FlashAttention-3 paper, 2024): ~545
+#   forward + backward, in causal FLOPs;
+# - links: NVLink 4, 900 GB/s per GPU both ways; nccl-tests on 8 x H100 SXM reach 460-480 GB/s
+#   bus bandwidth for all-reduce with NVLS and ~370 for ring all-gather / reduce-scatter, which
+#   is what is used; InfiniBand NDR 400 Gb/s per GPU (50 GB/s), ~45 GB/s bus bandwidth;
+# - the 500 W, 96 GB HBM2e H100 (Meta's Grand Teton hosts, where torchtitan's H100 numbers were
+#   measured): the same datasheet peaks; sustained tensor-core clocks under a 500 W cap instead of
+#   700 W are lower, by a factor no public GEMM benchmark states. Dynamic power goes as clock x
+#   voltage^2 and voltage with clock along the DVFS curve, so clock ~ power^(1/3): (500/700)^(1/3)
+#   = 0.894 of every kernel rate. (Left free, a fit of torchtitan's 32 rows put it at 0.888.)
+_H100_LINKS = dict(intra_node_bandwidth=370 * _G, inter_node_bandwidth=45 * _G, intra_node_latency=5e-6,
+                   inter_node_latency=20e-6, op_overhead=4e-6)
+_H100_KERNELS = dict(efficiency=787 / 989.4, fp8_efficiency=1610 / 1978.9, attention_efficiency=0.55)
+_POWER_CAP_500W = (500 / 700) ** (1 / 3)
+
 BUILT_IN: dict[str, Hardware] = {
-    # NVLink 4: 900 GB/s per GPU bidirectional, ~370 GB/s bus bandwidth measured by nccl-tests;
-    # InfiniBand NDR 400 Gb/s per GPU: ~45 GB/s.
-    "h100": Hardware("h100", 80e9, _datasheet("H100", 1979), 3.35e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
-    "h200": Hardware("h200", 141e9, _datasheet("H200", 1979), 4.8e12, 370 * _G, 45 * _G, 5e-6, 20e-6, 0.55, 4e-6),
-    "a100": Hardware("a100", 80e9, _datasheet("A100"), 2.0e12, 230 * _G, 22 * _G, 6e-6, 25e-6, 0.55, 5e-6),
-    "b200": Hardware("b200", 180e9, _datasheet("B200", 4500), 8.0e12, 740 * _G, 90 * _G, 5e-6, 20e-6, 0.55, 4e-6),
+    "h100": Hardware("h100", 79.2 * 2**30, _datasheet("H100", 1979), 3.35e12, **_H100_LINKS, **_H100_KERNELS,
+                     source="built in: H100 SXM5 80 GB (sources in dtmega/cost/hardware.py)"),
+    "h200": Hardware("h200", 139 * 2**30, _datasheet("H200", 1979), 4.8e12, **_H100_LINKS, **_H100_KERNELS,
+                     source="built in: H200 SXM 141 GB (the H100's chip and links, more and faster HBM)"),
+    "h100-hbm2e-500w": Hardware(
+        "h100-hbm2e-500w", 95.0 * 2**30, _datasheet("H100", 1979), 2.4e12, **_H100_LINKS,
+        **{**_H100_KERNELS, "efficiency": _H100_KERNELS["efficiency"] * _POWER_CAP_500W,
+           "fp8_efficiency": _H100_KERNELS["fp8_efficiency"] * _POWER_CAP_500W,
+           "attention_efficiency": _H100_KERNELS["attention_efficiency"] * _POWER_CAP_500W},
+        source="built in: H100 96 GB HBM2e at 500 W (Grand Teton; torchtitan's published H100 runs)"),
+    "a100": Hardware("a100", 80 * 2**30, _datasheet("A100"), 2.0e12, 230 * _G, 22 * _G, 6e-6, 25e-6, 0.55, None, None,
+                     5e-6),
+    "b200": Hardware("b200", 180e9, _datasheet("B200", 4500), 8.0e12, 740 * _G, 90 * _G, 5e-6, 20e-6, 0.55, None, None,
+                     4e-6),
 }
 
 

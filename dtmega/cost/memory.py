@@ -17,6 +17,13 @@ checked against autograd's saved tensors in tests/unit/test_cost_model.py):
   recomputes; micro-batches in flight per pipeline schedule;
 - loss: the logits and their gradient (e + 4 + 4 + 4 bytes per token per vocabulary entry /tp,
   unfused), or one ~256 MiB chunk of the fused loss.
+
+Other implementations (`PlanShape.framework`, dtmega/cost/frameworks.py) differ where they
+really do: Transformer Engine keeps a sequence-parallel linear's input sharded (it gathers it
+again in backward) and an FP8 linear's input in FP8; Megatron's distributed optimizer keeps the
+weights (bf16, or FP8 with --fp8-param-gather) and bf16 gradients whole on every data rank and
+shards only the fp32 master weights and Adam state; Megatron's --recompute-num-layers recomputes
+only that many blocks of a stage.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from dtmega.cost.frameworks import framework_named
 from dtmega.cost.shapes import DTYPE_BYTES, ModelShape, PlanShape
 
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20  # FuseKernels' default chunk of fp32 logits
@@ -86,6 +94,11 @@ def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute:
     policy = recompute or plan.recompute
     if policy == "full":
         return h * e / s
+    framework = framework_named(plan.framework)
+    if framework.saves == "transformer-engine":
+        return _transformer_engine_bytes_per_token(model, plan, policy)
+    if policy == "selective" and framework.selective == "alternate-matmuls":
+        return _alternate_matmuls_bytes_per_token(model, plan)
     norm = (h * e + 4) if compact else (2 * h * e + 4)
     attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t
     if plan.cp > 1 and plan.cp_method == "all_gather":
@@ -103,6 +116,42 @@ def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute:
         mlp = (1 - moe_fraction) * mlp + moe_fraction * expert_mlp
     saved = 2 * norm / s + 2 * h * e + attention + mlp
     return saved if policy == "selective" else saved + lse
+
+
+def _transformer_engine_bytes_per_token(model: ModelShape, plan: PlanShape, policy: str) -> float:
+    """What a Megatron-Core block with Transformer Engine saves per token: each LayerNormLinear
+    its norm's input and its linear's input, sharded over sequence-parallel ranks (gathered again
+    in backward) and in FP8 for an FP8 linear, and the norm's 1/rms; the attention kernel q, k, v,
+    its output and log-sum-exp; the output projection's input (FP8 copy in FP8); the first MLP
+    linear's output (for SwiGLU's backward) and the second's input."""
+    e = DTYPE_BYTES[plan.dtype]
+    fp8 = 1 if plan.fp8 else e
+    h, t = model.dim, plan.tp
+    s = t if plan.sp else 1
+    norms = 2 * (h * e + h * fp8 + 4) / s
+    attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t + model.q_dim * fp8 / t
+    lse = 4 * model.heads / t if policy != "selective" else 0.0
+    mlp = 2 * model.ffn * e / t + model.ffn * fp8 / t
+    return norms + attention + lse + mlp
+
+
+def _alternate_matmuls_bytes_per_token(model: ModelShape, plan: PlanShape) -> float:
+    """torchtitan's per-op selective recompute: the block's input, what the attention kernel
+    saves (q, k, v, its output, log-sum-exp) and every other matmul's output (the rest of the
+    seven, and everything between them, is recomputed in backward)."""
+    e = DTYPE_BYTES[plan.dtype]
+    h, t = model.dim, plan.tp
+    s = t if plan.sp else 1
+    attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t + 4 * model.heads / t
+    matmul_outputs = (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * model.ffn) * e / t
+    return h * e / s + attention + matmul_outputs / 2
+
+
+def recomputed_blocks(plan: PlanShape, layers: int) -> int:
+    """Blocks of a stage whose forward runs again in backward (full recompute)."""
+    if plan.recompute != "full":
+        return 0
+    return layers if plan.recompute_layers is None else min(layers, plan.recompute_layers)
 
 
 def in_flight(model: ModelShape, plan: PlanShape, pp_rank: int) -> float:
@@ -134,13 +183,27 @@ def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> 
     expert_shard = max(1, shard // plan.ep) if shard > 1 else 1
     local = dense / shard + experts / expert_shard
     weights, gradients, optimizer = 4 * local, 4 * local, 8 * local
+    if plan.dp_mode in ("distributed-optimizer", "megatron-fsdp"):
+        # Megatron: the model's weights in the compute dtype (FP8 with --fp8-param-gather) and
+        # its gradient buffer in bf16, sharded only under Megatron-FSDP; the optimizer's fp32
+        # master weights and Adam's two states over the data x context ranks
+        held = dense + experts
+        if plan.dp_mode == "megatron-fsdp":
+            held = local
+        weight_bytes = 1 if plan.fp8_param_gather else e
+        weights, gradients = weight_bytes * held, e * held
+        optimizer = 12 * (dense + experts) / max(1, plan.optimizer_ranks)
     host = 0.0
     if plan.cpu_optimizer:
         host, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
     block = (dense + experts - _table_params(model, plan, first, last)) / layers
     table = _table_params(model, plan, first, last)
     gathered = 0.0
-    if plan.wrapped and shard > 1 or plan.cpu_optimizer:
+    if plan.dp_mode == "distributed-optimizer":
+        pass  # the weights are whole already; nothing is gathered
+    elif plan.dp_mode == "megatron-fsdp" and shard > 1:
+        gathered = (min(2, layers) * block + table) * (1 if plan.fp8_param_gather else e)
+    elif plan.wrapped and shard > 1 or plan.cpu_optimizer:
         units = layers if plan.pp > 1 else min(2, layers)
         gathered = (units * block + table) * e + 4 * block  # + one unit's unsharded fp32 gradients
         if plan.pp > 1:
@@ -153,18 +216,24 @@ def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> 
     elif not plan.wrapped and e < 4:
         gathered = (dense + experts - model.dim * 2 * layers) * e  # autocast's weight casts
     tokens = plan.micro_batch * seq / plan.cp
-    per_token = activation_bytes_per_token(model, plan)
+    recomputed = recomputed_blocks(plan, layers)
+    whole = activation_bytes_per_token(model, plan, recompute="none")
+    per_token = activation_bytes_per_token(model, plan)  # full recompute: the block's input only
+    if 0 < recomputed < layers:  # only some blocks recompute: the others keep everything
+        per_token = (recomputed * per_token + (layers - recomputed) * whole) / layers
     activations = in_flight(model, plan, pp_rank) * tokens * per_token
     if plan.recompute == "full":
-        activations += tokens * activation_bytes_per_token(model, plan, recompute="none")
+        activations += tokens * whole
     # (the embedding's backward needs only the token ids: nothing for the first rank)
     loss = 0.0
     if last:
         vocab = model.vocab / plan.tp
         norm = model.dim * e + 4
         loss = tokens * (norm + model.dim * e)  # final norm and the output layer's input
-        if plan.fused_loss:
+        if plan.fused_loss and plan.framework == "dtmega":
             loss += 2 * min(FUSED_LOSS_CHUNK_BYTES, tokens * vocab * 4) + tokens * model.dim * 4
+        elif plan.fused_loss:  # a fused vocab-parallel cross entropy: the logits and one fp32 buffer
+            loss += tokens * vocab * (e + 4)
         else:
             loss += tokens * vocab * (e + (4 if e < 4 else 0) + 4 + 4)
     temps = 0.0 if plan.fused_optimizer else 8 * local

@@ -104,7 +104,10 @@ class PlanShape:
     cp: int = 1
     cp_method: str = "ring"
     dp: int = 1
-    dp_mode: str = "fsdp"  # fsdp | hsdp | ddp
+    # fsdp | hsdp | ddp (dtmega, torchtitan); distributed-optimizer (Megatron: weights and
+    # gradients whole on every data rank, the fp32 master weights and Adam state sharded) |
+    # megatron-fsdp (Megatron's FSDP: everything sharded)
+    dp_mode: str = "fsdp"
     dp_shard: int = 1  # HSDP: ranks one replica shards over (dp for fsdp)
     ep: int = 1
     micro_batch: int = 1
@@ -116,6 +119,14 @@ class PlanShape:
     cpu_optimizer: bool = False
     fused_optimizer: bool = False  # one fused AdamW kernel (GPUs) instead of torch's foreach (temporaries)
     dtype: str = "float32"  # compute dtype (parameters stay fp32: master weights)
+    framework: str = "dtmega"  # whose implementation is costed (dtmega/cost/frameworks.py)
+    tp_overlap: str = "none"  # none | async (torch's async TP) | userbuffers (Megatron's TP comm overlap)
+    fp8: str | None = None  # the blocks' linears in FP8 with this scaling: delayed | tensorwise | rowwise
+    fp8_param_gather: bool = False  # data-parallel gathers of the weights in FP8 (weights kept in FP8)
+    recompute_layers: int | None = None  # full recompute of only this many blocks per stage (None: all)
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and the loss each
+    # take a block's place, so a stage at either end holds one block fewer
+    embedding_in_split: bool = False
 
     @property
     def world(self) -> int:
@@ -123,10 +134,18 @@ class PlanShape:
 
     @property
     def fsdp_ranks(self) -> int:
-        """Ranks each dense weight is sharded over (1 under DDP or one data rank)."""
-        if self.dp_mode == "ddp" or self.dp * self.cp == 1:
+        """Ranks each dense weight is sharded over (1 under DDP, Megatron's distributed optimizer,
+        or one data rank)."""
+        if self.dp_mode in ("ddp", "distributed-optimizer") or self.dp * self.cp == 1:
             return 1
-        return (self.dp if self.dp_mode == "fsdp" else self.dp_shard) * self.cp
+        return (self.dp_shard if self.dp_mode == "hsdp" else self.dp) * self.cp
+
+    @property
+    def optimizer_ranks(self) -> int:
+        """Ranks the fp32 master weights and Adam state are sharded over (ZeRO-1 and up)."""
+        if self.dp_mode == "distributed-optimizer":
+            return self.dp * self.cp
+        return self.fsdp_ranks
 
     @property
     def wrapped(self) -> bool:
@@ -139,7 +158,14 @@ class PlanShape:
     def layers_per_rank(self, model: ModelShape, pp_rank: int | None = None) -> int:
         """Blocks on pipeline rank `pp_rank` (None: the busiest): an even split, or where the
         blocks do not divide, Megatron's uneven split (first and last stages take what the
-        middle ones, ceil(layers / pp) each, leave; `dtmega plan` writes those flags)."""
+        middle ones, ceil(layers / pp) each, leave; `dtmega plan` writes those flags). With the
+        embedding and the loss counted in the split, (layers + 2) / pp slots per stage, the
+        first and the last stage giving one to the embedding or the loss."""
+        if self.embedding_in_split:
+            per = math.ceil((model.layers + 2) / self.pp)
+            if pp_rank is not None and pp_rank in (0, self.pp - 1):
+                return per - 1
+            return per
         per = math.ceil(model.layers / self.pp)
         if pp_rank is None or model.layers % self.pp == 0 or self.pp < 3:
             return per
@@ -154,12 +180,20 @@ class PlanShape:
             parts.append(f"PP{self.pp}" + (f"x{self.vp}" if self.vp > 1 else "") + f"({self.schedule})")
         if self.cp > 1:
             parts.append(f"CP{self.cp}({self.cp_method})")
-        parts.append(f"{self.dp_mode.upper()}{self.dp}" + (f"/{self.dp_shard}" if self.dp_mode == "hsdp" else ""))
+        mode = {"distributed-optimizer": "DISTOPT", "megatron-fsdp": "MFSDP"}.get(self.dp_mode, self.dp_mode.upper())
+        parts.append(f"{mode}{self.dp}" + (f"/{self.dp_shard}" if self.dp_mode == "hsdp" else ""))
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         parts.append(f"mb{self.micro_batch}x{self.microbatches}")
         if self.recompute != "none":
-            parts.append(f"recompute={self.recompute}")
+            parts.append(f"recompute={self.recompute}"
+                         + (f"({self.recompute_layers})" if self.recompute_layers is not None else ""))
+        if self.fp8:
+            parts.append(f"fp8={self.fp8}" + ("+gather" if self.fp8_param_gather else ""))
+        if self.tp_overlap != "none":
+            parts.append(f"tp-overlap={self.tp_overlap}")
         if self.cpu_optimizer:
             parts.append("cpu-optimizer")
+        if self.framework != "dtmega":
+            parts.append(f"[{self.framework}]")
         return " ".join(parts)

@@ -2,7 +2,8 @@
 (Megatron-Core on DGX H100 clusters of 8 to 1,024 GPUs, torchtitan on up to 512) costed by
 `dtmega plan`'s model as its own framework runs it, beside what was measured.
 
-    python benchmarks/published_runs.py [--search] [--out benchmarks/results/published_runs.json]
+    python benchmarks/published_runs.py [--search [--write-docs]] [--only ID ...] [--fit]
+        [--out benchmarks/results/published_runs.json]
 
 For each row: whether the published configuration fits its GPU's memory by the model (with the
 planner's headroom), predicted against published tokens/s/GPU, and with --search the planner's
@@ -33,7 +34,7 @@ from dtmega.cost.estimate import CostEstimate, estimate  # noqa: E402
 from dtmega.cost.hardware import Hardware, load_hardware  # noqa: E402
 from dtmega.cost.memory import gib  # noqa: E402
 from dtmega.cost.plan_cli import explain, model_shape_for  # noqa: E402
-from dtmega.cost.search import RunWorkload, plan_from_spec, search  # noqa: E402
+from dtmega.cost.search import RunWorkload, SearchResult, plan_from_spec, search  # noqa: E402
 from dtmega.cost.shapes import ModelShape  # noqa: E402
 from dtmega.passes.toml_io import load_toml  # noqa: E402
 from dtmega.printing import console  # noqa: E402
@@ -111,6 +112,7 @@ class Judged:
 
 
 _SHAPES: dict[str, ModelShape] = {}
+_SEARCHES: dict[tuple, SearchResult] = {}  # rows that share a model, GPUs and workload share one search
 
 
 def judge(run: PublishedRun, with_search: bool = False) -> Judged:
@@ -128,9 +130,12 @@ def judge(run: PublishedRun, with_search: bool = False) -> Judged:
     cost = estimate(model, plan, work.seq, hardware)
     judged = Judged(run, cost, hardware, cost.memory.peak <= HEADROOM * hardware.memory_bytes)
     if with_search:
-        result = search(model, r["gpus"], min(8, r["gpus"]), work, hardware, headroom=HEADROOM,
-                        max_micro_batch=max(2, r["micro_batch"]), framework=r["framework"],
-                        allow_cpu_optimizer=False)
+        # as `dtmega plan` searches by default (plan_command's line ranks it the same way)
+        key = (r["model"], r["gpus"], r["gpu"], work, r["framework"], max(16, r["micro_batch"]))
+        if key not in _SEARCHES:
+            _SEARCHES[key] = search(model, r["gpus"], min(8, r["gpus"]), work, hardware, headroom=HEADROOM,
+                                    max_micro_batch=key[-1], framework=r["framework"])
+        result = _SEARCHES[key]
         judged.legal = len(result.ranked)
         judged.best = result.ranked[0] if result.ranked else None
         judged.rank = 1 + sum(1 for c in result.ranked if c.tokens_per_s_per_gpu > cost.tokens_per_s_per_gpu * 1.0005)
@@ -220,6 +225,48 @@ def table(judged: list[Judged]) -> Table:
     return out
 
 
+DOCS = ROOT / "docs" / "planning.md"
+BEGIN, END = "<!-- published-runs table: begin -->", "<!-- published-runs table: end -->"
+
+
+def markdown(judged: list[Judged]) -> str:
+    """The validation table as docs/planning.md holds it (between BEGIN and END; the suite checks
+    the two agree: tests/unit/test_published_runs.py)."""
+    totals = summary(judged)
+    held = totals["held_out"]
+    lines = ["| run (source) | GPUs | precision | published plan | GiB (fits?) | published | predicted | ratio | "
+             "planner's best: plan, tokens/s/GPU | published plan's rank |", "|---" * 10 + "|"]
+    for j in judged:
+        r = j.run.row
+        precision = "bf16" if r["precision"] == "bf16" else f"fp8 {r['fp8_recipe']}"
+        best = j.best
+        lines.append(
+            f"| [{j.run.id}]({r['source']}){' (fit)' if r.get('calibration') else ''} | {r['gpus']} | {precision} | "
+            f"{j.estimate.plan.describe()} | {gib(j.estimate.memory.peak):.1f} ({'yes' if j.fits else 'NO'}) | "
+            f"{j.run.measured:,.0f} | {j.predicted:,.0f} | {j.ratio:.2f} | "
+            + (f"{best.plan.describe()}, {best.tokens_per_s_per_gpu:,.0f} | #{j.rank} of {j.legal:,} |" if best else
+               "- | - |"))
+    lines.append("")
+    lines.append(f"{totals['within_15']} of {totals['rows']} rows within 15 %, {totals['within_25']} within 25 %, "
+                 f"geometric-mean error {totals['geomean_error']:.1%}; the {held['rows']} rows not fitted on: "
+                 f"{held['within_15']} within 15 %, {held['within_25']} within 25 %, {held['geomean_error']:.1%}. "
+                 f"Every published configuration fits: {'yes' if totals['all_fit'] else 'NO'}.")
+    return "\n".join(lines)
+
+
+def docs_table(path: Path = DOCS) -> str:
+    """What docs/planning.md holds between the markers."""
+    text = path.read_text()
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+
+
+def write_docs(judged: list[Judged], path: Path = DOCS) -> None:
+    """Replaces the table between the markers in docs/planning.md."""
+    text = path.read_text()
+    head, tail = text[:text.index(BEGIN) + len(BEGIN)], text[text.index(END):]
+    path.write_text(f"{head}\n{markdown(judged)}\n{tail}")
+
+
 def record(j: Judged) -> dict:
     """A row for the JSON file."""
     out = {"id": j.run.id, "framework": j.run.row["framework"], "gpu": j.run.row["gpu"], "plan": j.estimate.plan.describe(),
@@ -242,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit", action="store_true",
                         help="fit the frameworks' efficiencies on the rows marked calibration, print them, and cost "
                              "every row with them (what dtmega/cost/frameworks.py holds was fitted this way)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="with --search: write the table into docs/planning.md (the suite checks it matches)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "published_runs.json")
     args = parser.parse_args(argv)
+    if args.write_docs and (not args.search or args.only or args.fit or args.runs != RUNS):
+        parser.error("--write-docs needs --search on the recorded set as it is (no --only, --fit or --runs)")
     start = time.perf_counter()
     runs = [run for run in load_runs(args.runs) if not args.only or any(word in run.id for word in args.only)]
     if args.fit:
@@ -266,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
             out.print(f"{j.run.id}: the planner's best, {j.best.plan.describe()}, is "
                       f"{j.best.tokens_per_s_per_gpu / j.predicted - 1:.1%} faster by the model: {explain(j.best, j.estimate)}",
                       highlight=False, soft_wrap=True)
+    if args.write_docs:
+        write_docs(judged)
+        out.print(f"wrote the table into {DOCS}", highlight=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(["benchmarks/published_runs.py", *(argv or sys.argv[1:])]),
                                     "machine": machine(), "summary": totals,

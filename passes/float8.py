@@ -53,6 +53,7 @@ class Float8Choice(PassResult):
     format: str
     backend: str
     modules: tuple[str, ...]
+    param_gather: bool = False  # FSDP all-gathers the weights in FP8
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Float8(Pass):
             entry.precision = Precision(fp8_recipe=self.recipe, fp8_format=self.format)
             entry.kernel = f"linear.float8.{self.backend}"
             chosen.append(fqn)
-        program.record(Float8Choice(self.recipe, self.format, self.backend, tuple(chosen)))
+        program.record(Float8Choice(self.recipe, self.format, self.backend, tuple(chosen), self.param_gather))
         program.note(f"Float8({self.recipe}, {self.format}, {self.backend}): {len(chosen)} linears in FP8")
 
     def finalize(self, program: Program) -> None:

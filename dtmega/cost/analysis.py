@@ -11,6 +11,7 @@ from dtmega.cost.estimate import CostEstimate, estimate
 from dtmega.cost.hardware import Hardware
 from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.kernels.errors import DtmegaError
+from dtmega.passes.float8 import Float8Choice
 from dtmega.passes.fuse_kernels import FusedLoss
 from dtmega.passes.fused_ops import fused_op_of
 from dtmega.passes.program import Program
@@ -70,6 +71,7 @@ def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanSha
     policies = [entry.recompute for entry in entries if entry.recompute]
     recompute = "full" if "full" in policies else "selective" if policies else "none"
     precision = program.layout[""].precision
+    float8 = program.result(Float8Choice)
     compute = precision.compute_dtype if precision is not None else None
     dtype = compute or (workload.dtype if workload else "float32")
     mesh = program.mesh_shape
@@ -89,6 +91,8 @@ def plan_shape_of(program: Program, hardware: Hardware | None = None) -> PlanSha
         fused_loss=program.result(FusedLoss) is not None, compiled=program.result(Compilation) is not None,
         cpu_optimizer=precision is not None and precision.offload == "cpu", dtype=dtype,
         fused_optimizer=hardware.fused_optimizer if hardware else getattr(program.mesh, "device_type", "cpu") == "cuda",
+        fp8=float8.recipe if float8 and float8.modules else None,
+        fp8_param_gather=bool(float8 and float8.modules and float8.param_gather and mode != "ddp"),
     )
 
 

@@ -41,7 +41,8 @@ class CostEstimate:
 
     @property
     def mfu(self) -> float | None:
-        """Model FLOPs (no recompute) per second over the peak of all ranks."""
+        """Model FLOPs (no recompute) per second over the peak of all ranks at the compute dtype's
+        rate (bf16's for FP8 runs too, as Megatron-Core and torchtitan report MFU)."""
         if not self.time or not self.hardware:
             return None
         model_flops = self.model.flops_per_token(self.seq) * self.tokens_per_step
@@ -54,7 +55,9 @@ class CostEstimate:
             "plan": p.describe(), "tp": p.tp, "sp": p.sp, "pp": p.pp, "vp": p.vp, "schedule": p.schedule, "cp": p.cp,
             "cp_method": p.cp_method, "dp": p.dp, "dp_mode": p.dp_mode, "dp_shard": p.dp_shard, "ep": p.ep,
             "micro_batch": p.micro_batch, "microbatches": p.microbatches, "recompute": p.recompute,
-            "cpu_optimizer": p.cpu_optimizer, "memory_gib": round(gib(self.memory.peak), 3),
+            "cpu_optimizer": p.cpu_optimizer, "framework": p.framework, "tp_overlap": p.tp_overlap, "fp8": p.fp8,
+            "fp8_param_gather": p.fp8_param_gather, "recompute_layers": p.recompute_layers,
+            "embedding_in_split": p.embedding_in_split, "memory_gib": round(gib(self.memory.peak), 3),
             "memory": {name: round(gib(value), 3) for name, value in self.memory.rows()},
             "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
             "tflops_per_rank": self.flops / 1e12,

@@ -1,10 +1,12 @@
 """Hardware descriptions the cost model reads: peak rates, bandwidths, latencies, memory.
 
-Built in: H100, H200, A100, B200 (vendor datasheets, dense, no sparsity) and whatever
-`dtmega calibrate` measured on this machine and wrote as a TOML file. `efficiency` is the
-fraction of the datasheet matmul rate a training step's GEMMs reach (measured: dtmega's Llama
-1.5 B step on one H100 at 48.5 % MFU, docs/planning.md); bandwidths are the per-GPU figures a
-ring collective reaches (bus bandwidth), not the link's marketing number.
+Built in: H100, H200, the 96 GB 500 W H100 of torchtitan's published runs, A100, B200 (vendor
+datasheets, dense, no sparsity; the sources of every figure are listed above BUILT_IN) and
+whatever `dtmega calibrate` measured on this machine and wrote as a TOML file. On the H100s and
+the H200, `efficiency`, `fp8_efficiency` and `attention_efficiency` are the fractions of the peak
+that large GEMMs, FP8 GEMMs and flash attention reach (measured kernel rates); A100, B200 and CPU
+files keep one lumped efficiency for a whole step. Bandwidths are the per-GPU figures a ring
+collective reaches (bus bandwidth), not the link's marketing number.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def _datasheet(gpu: str, fp8: float | None = None) -> dict[str, float]:
 #   torchtitan's benchmark page states);
 # - bf16 GEMM efficiency 0.796: 787 TFLOP/s measured on this project's H100 for the fused loss's
 #   GEMMs (docs/kernels.md); FP8 0.81: cuBLASLt 8192^3 e4m3 GEMMs at 1,599-1,630 TFLOP/s on sixteen
-#   H100s (a public cross-check report, docs/planning.md);
+#   H100s (a public cross-check report: https://gitea.d-robotics.cc/han.zhao/test_gpu_scripts/raw/commit/
+#   7ec2da18bc66f5199b97863ea8e4dea01dd801f0/reports_cublaslt_fp8_crosscheck_20260524.md);
 # - attention 0.55: FlashAttention-3 / cuDNN on H100 at head dim 128, long causal sequences,
 #   forward ~600-740 and backward ~450-550 TFLOP/s (the FlashAttention-3 paper, 2024): ~545
 #   forward + backward, in causal FLOPs;

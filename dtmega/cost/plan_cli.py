@@ -1,18 +1,19 @@
 """`dtmega plan`: rank every legal parallel plan for a model, a GPU count and a workload.
 
     dtmega plan --model llama3-70b --gpus 64 --gpus-per-node 8 --gpu h100 \\
-        --seq-length 4096 --global-batch-size 1024 [--json] [--out plan.toml]
+        --seq-length 4096 --global-batch-size 1024 [--fp8 [--fp8-recipe R]] [--json] [--out plan.toml]
 
 Prints the best plans with memory per GPU, step time and MFU, the rejected ones by reason, and
 the chosen plan as `dtmega train` flags; `--out` writes it as a `dtmega train --config` TOML;
-`--compare tp=4,pp=4` says where a plan of your own ranks and why the best one is faster.
-`--json` prints the ranked list (best first) as JSON instead. docs/planning.md has the formulas.
+`--compare tp=4,pp=4` says where a plan of your own ranks, whether it fits and why the best one
+is faster. `--framework megatron-core|torchtitan` costs every plan as that framework runs it
+(how the model is held against their published runs; no train flags then). `--json` prints the
+ranked list (best first) as JSON instead. docs/planning.md has the formulas and the validation.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -20,14 +21,17 @@ from pathlib import Path
 
 from rich.table import Table
 
-from dtmega.cost.estimate import CostEstimate
-from dtmega.cost.hardware import BUILT_IN, load_hardware
+from dtmega.cost.estimate import CostEstimate, estimate
+from dtmega.cost.frameworks import FRAMEWORKS
+from dtmega.cost.hardware import BUILT_IN, Hardware, load_hardware
 from dtmega.cost.memory import gib
 from dtmega.cost.plan_flags import as_flags, train_options
-from dtmega.cost.search import RunWorkload, SearchResult, matches, parse_plan_spec, search
+from dtmega.cost.search import RunWorkload, SearchResult, matches, parse_plan_spec, plan_from_spec, search
 from dtmega.cost.shapes import ModelShape
 from dtmega.kernels.errors import DtmegaError
 from dtmega.passes.toml_io import dump_toml
+
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise")  # the scalings the cost model tells apart
 
 
 class PlanArgumentError(DtmegaError):
@@ -49,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="compute dtype (weights, gradients and Adam stay fp32)")
-    parser.add_argument("--fp8", action="store_true", help="the blocks' matmuls at the FP8 tensor-core rate")
+    parser.add_argument("--fp8", action="store_true", help="the blocks' linears in FP8 (GEMMs at the FP8 rate, "
+                        "casts and FP8 weight all-gathers counted)")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                        help="FP8 scaling (implies --fp8; default delayed, dtmega train's default)")
+    parser.add_argument("--framework", default="dtmega", choices=tuple(FRAMEWORKS),
+                        help="whose implementation runs the plans (dtmega/cost/frameworks.py); default dtmega")
     parser.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch to consider")
     parser.add_argument("--headroom", type=float, default=0.9,
                         help="fraction of device memory a plan may use (the rest: fragmentation, CUDA context)")
@@ -101,17 +110,23 @@ def run_search(args: argparse.Namespace) -> tuple[ModelShape, RunWorkload, Searc
                                 f"{args.gpus_per_node}")
     if not 0 < args.headroom <= 1:
         raise PlanArgumentError(f"--headroom {args.headroom} must be in (0, 1]")
+    if args.out and args.framework != "dtmega":
+        raise PlanArgumentError(f"--out writes a dtmega train config, but --framework {args.framework} costs plans as "
+                                f"{args.framework} runs them. Fix: drop --out, or --framework dtmega")
     model = model_shape_for(args.model)
     hardware = load_hardware(args.gpu)
-    if args.fp8:
-        if "float8" not in hardware.peak_flops:
-            raise PlanArgumentError(f"--fp8: {hardware.name} lists no FP8 rate (H100, H200 and B200 do)")
-        hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops,
-                                                             "bfloat16": hardware.peak_flops["float8"]})
-    work = RunWorkload(args.seq_length, args.global_batch_size, args.dtype)
+    fp8 = args.fp8_recipe or ("delayed" if args.fp8 else None)
+    if fp8 and "float8" not in hardware.peak_flops:
+        raise PlanArgumentError(f"--fp8: {hardware.name} lists no FP8 rate (H100, H200 and B200 do). Fix: --gpu one of "
+                                "those, or a hardware file with a float8 peak")
+    if fp8 and args.dtype == "float32":
+        raise PlanArgumentError("--fp8 with --dtype float32: FP8 training keeps bf16 or fp16 activations. Fix: "
+                                "--dtype bfloat16")
+    work = RunWorkload(args.seq_length, args.global_batch_size, args.dtype, fp8)
     specs = [parse_plan_spec(text) for text in args.compare]
     result = search(model, args.gpus, min(args.gpus_per_node, args.gpus), work, hardware, headroom=args.headroom,
-                    max_micro_batch=args.max_micro_batch, allow_cpu_optimizer=not args.no_cpu_optimizer)
+                    max_micro_batch=args.max_micro_batch, allow_cpu_optimizer=not args.no_cpu_optimizer,
+                    framework=args.framework)
     return model, work, result, (hardware, specs)
 
 
@@ -130,34 +145,56 @@ def ranked_table(result: SearchResult, top: int, title: str) -> Table:
 
 
 def explain(best: CostEstimate, other: CostEstimate) -> str:
-    """Why `best` is faster than `other`, by time component, with numbers."""
-    parts = []
-    for name in ("compute", "memory", "launches", "exposed_comm", "bubble", "optimizer"):
-        a, b = getattr(best.time, name), getattr(other.time, name)
-        if abs(b - a) > 0.005 * best.step_s:
-            parts.append(f"{name} {b:.3f} s vs {a:.3f} s")
-    return ", ".join(parts) or "the same components within 0.5 %"
+    """Why `best` is faster than `other`, by time component, with numbers ('compute 9.4 s vs the
+    best's 8.5 s': `other`'s seconds per step first)."""
+    names = ("compute", "memory", "launches", "exposed_comm", "bubble", "optimizer")
+    gaps = {name: getattr(other.time, name) - getattr(best.time, name) for name in names}
+    parts = [f"{name} {getattr(other.time, name):.3f} s vs the best's {getattr(best.time, name):.3f} s"
+             for name in names if abs(gaps[name]) > 0.005 * best.step_s]
+    if parts:
+        return ", ".join(parts)
+    # a near-tie: no component moves by 0.5 % of the step; name the one that moves most
+    name = max(names, key=lambda n: abs(gaps[n]))
+    return (f"step {other.step_s:.4f} s vs the best's {best.step_s:.4f} s, most of it {name} "
+            f"{getattr(other.time, name):.4f} s vs the best's {getattr(best.time, name):.4f} s")
 
 
-def compare_lines(model: ModelShape, work: RunWorkload, result: SearchResult, hardware, specs: list[dict]) -> list[str]:
-    """For each --compare spec: its rank (or why it is not a candidate) and the difference."""
+def compare_lines(model: ModelShape, work: RunWorkload, result: SearchResult, hardware: Hardware,
+                  specs: list[dict], *, gpus: int, framework: str = "dtmega", headroom: float = 0.9) -> list[str]:
+    """For each --compare spec: whether it fits, its predicted speed and rank among every legal
+    plan that fits, and why the best is faster. A spec that names only some sizes (tp=4,pp=4) is
+    the best candidate with them; one the search did not enumerate (a micro-batch above
+    --max-micro-batch, a data-parallel mode) is costed on its own."""
     lines = []
     best = result.ranked[0] if result.ranked else None
+    capacity = headroom * hardware.memory_bytes
     for spec in specs:
-        ranks = [i for i, c in enumerate(result.ranked, 1) if matches(c.plan, spec)]
         name = ",".join(f"{k}={v}" for k, v in spec.items())
-        if not ranks:
-            lines.append(f"compare {name}: no legal plan that fits has these sizes (see the rejected counts)")
-            continue
-        rank = ranks[0]
-        mine = result.ranked[rank - 1]
-        if rank == 1:
-            lines.append(f"compare {name}: the best plan is one of these ({mine.plan.describe()})")
+        ranks = [i for i, c in enumerate(result.ranked, 1) if matches(c.plan, spec)]
+        if ranks:
+            mine = result.ranked[ranks[0] - 1]
+        else:
+            try:
+                plan = plan_from_spec(spec, model, gpus, work, framework=framework,
+                                      fused_optimizer=hardware.fused_optimizer)
+            except DtmegaError as error:
+                lines.append(f"compare {name}: not a plan for these GPUs and workload: {error}")
+                continue
+            mine = estimate(model, plan, work.seq, hardware)
+            if mine.memory.peak > capacity:
+                lines.append(f"compare {name}: {mine.plan.describe()} does NOT fit: {gib(mine.memory.peak):.1f} GiB of "
+                             f"the {gib(capacity):.1f} GiB a plan may use ({headroom:.0%} of {hardware.name}'s); it "
+                             f"would run at {mine.tokens_per_s_per_gpu:,.0f} tokens/s/GPU")
+                continue
+        rank = 1 + sum(1 for c in result.ranked if c.tokens_per_s_per_gpu > mine.tokens_per_s_per_gpu * 1.0005)
+        head = (f"compare {name}: {mine.plan.describe()} fits ({gib(mine.memory.peak):.1f} of {gib(capacity):.1f} GiB), "
+                f"{mine.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {mine.mfu:.1%}, rank #{rank} of {len(result.ranked):,}")
+        if best is None or mine.tokens_per_s_per_gpu >= best.tokens_per_s_per_gpu / 1.0005:
+            lines.append(f"{head}: as fast as the best plan ({best.plan.describe() if best else 'none'})")
             continue
         slower = best.tokens_per_s_per_gpu / mine.tokens_per_s_per_gpu - 1
-        lines.append(f"compare {name}: best of its kind is #{rank} {mine.plan.describe()}: "
-                     f"{mine.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {slower:.1%} slower than #1, "
-                     f"{gib(mine.memory.peak):.1f} GiB; where the time goes: {explain(best, mine)}")
+        lines.append(f"{head}; the best, {best.plan.describe()}, is {slower:.1%} faster; where the time goes: "
+                     f"{explain(best, mine)}")
     return lines
 
 
@@ -174,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         raise PlanArgumentError(f"no plan for {args.model} on {args.gpus} {hardware.name} fits: {reasons}. Fix: more "
                                 "GPUs, a shorter sequence, a smaller global batch, or --gpu with more memory")
     best = result.ranked[0]
-    options = train_options(best.plan, model, work)
+    options = train_options(best.plan, model, work) if args.framework == "dtmega" else {}
     if args.out:
         dump_toml({"model": args.model, **options}, args.out)
     if args.json:
@@ -187,10 +224,15 @@ def main(argv: list[str] | None = None) -> None:
     out.print(f"{result.considered:,} legal plans estimated in {seconds:.1f} s, {len(result.ranked):,} fit; rejected: "
               + "; ".join(f"{n:,} {reason} (e.g. {result.examples[reason]})"
                           for reason, n in result.rejected.most_common()), highlight=False)
-    for line in compare_lines(model, work, result, hardware, specs):
-        out.print(line, highlight=False)
+    for line in compare_lines(model, work, result, hardware, specs, gpus=args.gpus, framework=args.framework,
+                              headroom=args.headroom):
+        out.print(line, highlight=False, soft_wrap=True)
     out.print(best.table())
-    out.print(f"dtmega train --model {args.model} {as_flags(options)}", highlight=False, soft_wrap=True)
+    if args.framework == "dtmega":
+        out.print(f"dtmega train --model {args.model} {as_flags(options)}", highlight=False, soft_wrap=True)
+    else:
+        out.print(f"(costed as {args.framework} runs each plan: {FRAMEWORKS[args.framework].summary}; not a dtmega "
+                  "train command)", highlight=False, soft_wrap=True)
     if args.out:
         out.print(f"wrote {args.out} (dtmega train --config {args.out})", highlight=False)
 

@@ -41,6 +41,10 @@ def train_options(plan: PlanShape, model: ModelShape, work: RunWorkload) -> dict
         options["bf16"] = True
     elif plan.dtype == "float16":
         options["fp16"] = True
+    if plan.fp8:
+        options.update(fp8_format="hybrid", fp8_recipe=plan.fp8)
+        if plan.fp8_param_gather:
+            options["fp8_param_gather"] = True
     if plan.fused_loss:
         options["cross_entropy_loss_fusion"] = True
     return options

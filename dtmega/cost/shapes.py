@@ -80,6 +80,10 @@ class ModelShape:
 
     def total_params(self) -> int:
         """Every parameter (LlamaConfig.num_params)."""
+        return self._param_count
+
+    @cached_property
+    def _param_count(self) -> int:  # counted once per shape: the planner asks for it per candidate
         return self.config.num_params()
 
     def flops_per_token(self, seq: int) -> float:
@@ -88,7 +92,10 @@ class ModelShape:
         layers x dim x seq."""
         from dtmega.models.llama.specs import llama_flops_per_token
 
-        return llama_flops_per_token(self.config, seq)
+        known = self.__dict__.setdefault("_flops_per_token", {})  # per seq, once (a frozen dataclass's cache)
+        if seq not in known:
+            known[seq] = llama_flops_per_token(self.config, seq)
+        return known[seq]
 
 
 @dataclass(frozen=True)
@@ -195,5 +202,5 @@ class PlanShape:
         if self.cpu_optimizer:
             parts.append("cpu-optimizer")
         if self.framework != "dtmega":
-            parts.append(f"[{self.framework}]")
+            parts.append(f"({self.framework})")
         return " ".join(parts)

@@ -83,8 +83,10 @@ def step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Hardware, 
 
 def _lumped_step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Hardware,
                       comms: list[Collective]) -> StepTime:
-    """One lumped FLOP rate for everything (CPU hardware files)."""
-    compute = rank_flops(model, plan, seq) / (hardware.flops(plan.dtype) * hardware.efficiency)
+    """One lumped FLOP rate for everything (CPU hardware files, and GPUs without kernel-level
+    rates): the FP8 rate when the plan's linears run in FP8."""
+    rate = hardware.flops("float8") if plan.fp8 and "float8" in hardware.peak_flops else hardware.flops(plan.dtype)
+    compute = rank_flops(model, plan, seq) / (rate * hardware.efficiency)
     tokens = plan.micro_batch * seq / plan.cp * plan.microbatches
     layers = plan.layers_per_rank(model)
     traffic = 3 * tokens * layers * activation_bytes_per_token(model, plan, recompute="none")

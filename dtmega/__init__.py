@@ -20,6 +20,8 @@ _EXPORTS = {
     "console": "dtmega.printing",
     "make_batch": "dtmega.batch",
     "synthetic_batch": "dtmega.batch",
+    "document_ids_from_lengths": "dtmega.kernels.document_attention",
+    "document_ids_from_eod": "dtmega.kernels.document_attention",
     "init_distributed": "dtmega.mesh",
     "make_mesh": "dtmega.mesh",
     "simulate_world": "dtmega.mesh",

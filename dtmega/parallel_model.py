@@ -15,7 +15,7 @@ from dtmega.kernels.errors import DtmegaError
 from dtmega.model_weights import ModelWeights
 from dtmega.passes import Layout, Plan, PlanError, Program
 from dtmega.passes.families import default_logits
-from dtmega.passes.loss import loss_for, plan_loss
+from dtmega.passes.loss import document_kwargs, loss_for, plan_loss
 from dtmega.passes.pipeline_runtime import PipelineParts
 from dtmega.passes.pipeline_table import schedule_table
 from dtmega.passes.render import layout_table
@@ -146,22 +146,24 @@ class ParallelModel(ModelWeights):
         return global_batch.chunk(self.dp_size, dim=0)[self.dp_rank]
 
     # ---- compute ------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `tokens` (vocab-sharded DTensor under tensor parallelism) under every plan.
         Under context parallelism each rank computes its part of every sequence and every rank
         gets the whole; under pipeline parallelism every rank passes the same tokens, the stages
         run in turn without gradients and every rank gets the last stage's logits."""
         # the hooks cut the tokens as for a step (context parallelism: this rank's part of each
         # sequence, global positions) and put the logits back together
-        fields = Batch(tokens, tokens, torch.ones_like(tokens), position_ids)
+        fields = Batch(tokens, tokens, torch.ones_like(tokens), position_ids,
+                       {} if document_ids is None else {"document_ids": document_ids})
         for hook in self.hooks:
             fields = hook.shard_batch(fields)
         if self.pipelined:
-            logits = self.executor.logits(fields.tokens, fields.position_ids)
+            logits = self.executor.logits(fields.tokens, fields.position_ids, fields.extra.get("document_ids"))
             self.reshard()
         else:
             logits_fn = self.program.family.logits if self.program.family else default_logits
-            logits = logits_fn(self.module, fields.tokens, fields.position_ids)
+            logits = logits_fn(self.module, fields.tokens, fields.position_ids, **document_kwargs(fields))
         for hook in reversed(self.hooks):
             logits = hook.unshard_output(logits)
         return logits

@@ -21,6 +21,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from dtmega.kernels.allgather_attention import AllGatherAttention
 from dtmega.kernels.context_shards import CommStats, token_indices
+from dtmega.kernels.document_attention import document_attention, document_mask
 from dtmega.kernels.ring_attention import RingAttention
 
 METHODS = ("ring", "all_gather", "a2a")
@@ -59,7 +60,7 @@ def _to_sequence(t: torch.Tensor, group, world: int, stats) -> torch.Tensor:
     return moved.view(world, b, s, hh, d).permute(1, 2, 0, 3, 4).reshape(b, s, world * hh, d)
 
 
-def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats):
+def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats, documents=None, document_backend=None):
     world = dist.get_world_size(group)
     h, kvh = q.shape[2], k.shape[2]
     if h % world:
@@ -73,6 +74,16 @@ def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats):
     if zigzag:
         natural = torch.argsort(order)
         qh, kh, vh = (t.index_select(1, natural) for t in (qh, kh, vh))
+    if documents is not None:
+        # packed documents: every rank's ids (a few bytes per token), in token order, make the
+        # whole sequence's mask; each rank attends all of it for its share of the heads
+        ids = funcol.all_gather_tensor(documents.contiguous(), 1, group).contiguous()
+        if zigzag:
+            ids = ids.index_select(1, natural)
+        out = document_attention(qh, kh, vh, document_mask(ids, document_backend))
+        if zigzag:
+            out = out.index_select(1, order)
+        return _to_sequence(out, group, world, stats)
     out = F.scaled_dot_product_attention(
         qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal, scale=scale,
         enable_gqa=qh.shape[2] != kh.shape[2],
@@ -85,13 +96,18 @@ def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats):
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, method: str = "ring", zigzag: bool = True,
     causal: bool = True, scale: float | None = None, stats: CommStats | None = None, fused: bool | None = None,
+    documents: torch.Tensor | None = None, document_backend: str | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale [+ causal mask]) v over the whole sequence, each rank passing its
     shard of q, k, v ([B, S/cp, H, D], GQA allowed) and getting its shard of the output.
 
     `stats` counts the bytes this rank sends. `fused` (ring, all_gather) picks the block kernel:
-    None for the fused one where the device has it, False for the plain-PyTorch reference."""
+    None for the fused one where the device has it, False for the plain-PyTorch reference.
+    `documents`: this rank's document ids of packed sequences ([B, S/cp]); attention is then
+    causal within each document, masked by `document_backend` (a2a only)."""
     world = dist.get_world_size(group)
+    if documents is not None and method != "a2a":
+        raise ValueError(f"document masking under {method} context parallelism is not built yet; use method='a2a'")
     seq_len = q.shape[1] * world
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if method == "ring":
@@ -101,5 +117,5 @@ def context_parallel_attention(
         heads_first = (t.transpose(1, 2) for t in (q, k, v))
         return AllGatherAttention.apply(*heads_first, seq_len, group, zigzag, causal, scale, stats, fused).transpose(1, 2)
     if method == "a2a":
-        return _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats)
+        return _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats, documents, document_backend)
     raise ValueError(f"context-parallel method {method!r} is unknown; use one of {METHODS}")

@@ -68,6 +68,12 @@ for _spec in (
                "the attention in backward", reference="attention.sdpa"),
     *(KernelSpec(f"attention.context_parallel.{method}", "attention", f"context-parallel attention ({method})",
                  reference="attention.sdpa") for method in ("ring", "all_gather", "a2a")),
+    KernelSpec("attention.document.flex", "attention", "packed documents: FlexAttention with a document BlockMask "
+               "(masked blocks skipped, no [S, S] tensor)", reference="attention.document.sdpa"),
+    KernelSpec("attention.document.varlen", "attention", "packed documents: each document its own causal attention",
+               reference="attention.document.sdpa"),
+    KernelSpec("attention.document.sdpa", "attention", "packed documents: scaled_dot_product_attention with a dense "
+               "document mask"),
     *(KernelSpec(f"moe.dispatch.{kind}", "moe_dispatch", f"{kind} token dispatch to the experts' ranks")
       for kind in ("alltoall", "allgather")),
     KernelSpec("cross_entropy.logits", "cross_entropy", "logits, then per-token cross entropy (loss-parallel when "

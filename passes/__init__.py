@@ -6,6 +6,7 @@ from dtmega.passes.base import Pass
 from dtmega.passes.compile import Compile
 from dtmega.passes.context_parallel import ContextParallel
 from dtmega.passes.data_parallel import DataParallel
+from dtmega.passes.document_masking import DocumentMasking
 from dtmega.passes.errors import PlanError
 from dtmega.passes.expert_parallel import ExpertParallel
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, register_family
@@ -35,6 +36,7 @@ from dtmega.passes.workload import Workload
 
 __all__ = [
     "Batch", "Compilation", "Compile", "ContextParallel", "ContextSharding", "DataParallel", "DataParallelism",
+    "DocumentMasking",
     "ExpertParallel", "ExpertPlacement", "Executor", "Float8", "FuseKernels", "Layout", "LayoutChange", "MeshAxes",
     "ModelFacts", "ModelFamily",
     "ModuleLayout", "ParamLayout", "Pass", "PassManager", "PassResult", "PipelineSplit", "PipelineStages", "Plan",

@@ -31,17 +31,22 @@ _HF_NAMES = itertools.count()
 class ContextParallelAttention(nn.Module):
     """Drop-in attention core for [B, S, H, D] q/k/v sharded on S over `group`."""
 
-    def __init__(self, group, method: str, zigzag: bool, stats: CommStats):
+    def __init__(self, group, method: str, zigzag: bool, stats: CommStats, document_backend: str | None = None):
         super().__init__()
         self.group, self.method, self.zigzag, self.stats = group, method, zigzag, stats
+        self.document_backend = document_backend  # how packed documents are masked (DocumentMasking)
 
-    def forward(self, q, k, v, *args, scale=None, is_causal=True, attention_masks=None, q_offset=0, **kwargs):
+    def forward(self, q, k, v, *args, scale=None, is_causal=True, attention_masks=None, q_offset=0, documents=None,
+                **kwargs):
         if attention_masks is not None:
             raise ValueError("context-parallel attention handles causal and full masks only, not attention_masks")
         if isinstance(q_offset, torch.Tensor) or q_offset:
             raise ValueError("context-parallel attention does not decode with a KV cache; generate without CP")
+        if documents is not None and self.document_backend is None:
+            raise ValueError("packed documents reached context-parallel attention without a DocumentMasking pass")
         return context_parallel_attention(q, k, v, group=self.group, method=self.method, zigzag=self.zigzag,
-                                          causal=is_causal, scale=scale, stats=self.stats)
+                                          causal=is_causal, scale=scale, stats=self.stats, documents=documents,
+                                          document_backend=self.document_backend)
 
     def extra_repr(self) -> str:
         return f"method={self.method}, zigzag={self.zigzag}"
@@ -144,10 +149,14 @@ class ContextParallel(Pass):
         mesh = program.submesh(self.axis)
         group, stats = mesh.get_group(), CommStats()
         program.add_hook(SequenceSharding(sharding, mesh, stats))
+        from dtmega.passes.document_masking import DocumentMaskingChoice
+
+        documents = program.result(DocumentMaskingChoice)
         for fqn in sharding.targets:
             parent_fqn, _, name = fqn.rpartition(".")
             for parent in program.modules_at(parent_fqn):
-                setattr(parent, name, ContextParallelAttention(group, self.method, sharding.zigzag, stats))
+                setattr(parent, name, ContextParallelAttention(group, self.method, sharding.zigzag, stats,
+                                                               documents.backend if documents else None))
         if not sharding.targets:  # Hugging Face: a registered attention implementation
             from transformers import AttentionInterface
 

@@ -72,6 +72,13 @@ def plan_loss(program) -> Loss:
     return CROSS_ENTROPY
 
 
+def document_kwargs(batch: Batch) -> dict:
+    """`document_ids=...` for a family's logits function when the batch packs documents
+    (passes/document_masking.py), else nothing."""
+    documents = batch.extra.get("document_ids")
+    return {} if documents is None else {"document_ids": documents}
+
+
 def loss_for(program) -> LossFn:
     """The micro-batch loop's step of the plan's loss: the model on the batch, the criterion,
     and (training) the backward of `grad_scale` x the summed loss."""
@@ -83,7 +90,7 @@ def loss_for(program) -> LossFn:
     def step(module: nn.Module, batch: Batch, grad_scale: torch.Tensor | None) -> torch.Tensor:
         hidden = [module.get_submodule(output_fqn)] if loss.hidden_out else []
         with returns_hidden(hidden):
-            output = logits_fn(module, batch.tokens, batch.position_ids)
+            output = logits_fn(module, batch.tokens, batch.position_ids, **document_kwargs(batch))
         with loss.context(output):
             total = loss.criterion(module, output, batch)
             if grad_scale is not None:

@@ -137,13 +137,22 @@ class PipelineExecutor(Executor):
             self._plan_loss = plan_loss(self.program)
         return self._plan_loss
 
-    def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def _stage_kwargs(self, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None) -> dict:
+        """What every stage's forward takes beside its input: position ids and, for packed
+        documents, the document ids (each micro-batch's own, cut by the schedule)."""
+        family = self.program.family
+        kwargs = {} if position_ids is None else {family.position_kwarg if family else "position_ids": position_ids}
+        if document_ids is not None:
+            kwargs[family.document_kwarg] = document_ids
+        return kwargs
+
+    def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model's logits for `tokens` on every rank of the pipeline (vocab-sharded DTensor
         under tensor parallelism), without gradients: every rank passes the same tokens."""
-        kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
         parts = dict(zip(self.local_stages, self.program.parts))
         logits = pipeline_forward(parts, self.info.rank_of_stage, self.group, tokens,
-                                  {} if position_ids is None else {kwarg: position_ids})
+                                  self._stage_kwargs(position_ids, document_ids))
         if self.logits_sharded:
             logits = DTensor.from_local(logits, self.program.submesh(self.program.axes.name("tensor")), [Shard(-1)],
                                         run_check=False)
@@ -179,8 +188,7 @@ class PipelineExecutor(Executor):
         self.scale = step.grad_scale if step.train else 1.0  # a tensor: no host synchronization
         schedule = self.schedule(microbatches)
         target, self._target_layout = batch.loss_target()
-        kwarg = self.program.family.position_kwarg if self.program.family else "position_ids"
-        kwargs = {} if batch.position_ids is None else {kwarg: batch.position_ids}
+        kwargs = self._stage_kwargs(batch.position_ids, batch.extra.get("document_ids"))
         losses: list[torch.Tensor] = []
         inputs = (batch.tokens,) if self.has_first else ()
         outputs = self.program.modules_at(self.program.facts.output) if self.loss.hidden_out else []

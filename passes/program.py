@@ -91,9 +91,14 @@ class Program:
         """The recorded result of type `kind`, or None if no pass recorded one."""
         return self.results.get(kind)  # type: ignore[return-value]
 
-    def add_hook(self, hook) -> None:
-        """Adds a `RuntimeHook` to every step of the parallelized model."""
-        self.hooks.append(hook)
+    def add_hook(self, hook, *, first: bool = False) -> None:
+        """Adds a `RuntimeHook` to every step of the parallelized model; `first`: before every
+        other hook (one that reads the whole data-parallel batch, before context parallelism
+        cuts its sequences)."""
+        if first:
+            self.hooks.insert(0, hook)
+        else:
+            self.hooks.append(hook)
 
     def hook(self, kind: type):
         """The first runtime hook of type `kind`, or None."""

@@ -9,11 +9,15 @@ import torch
 from tensordict import TensorDict
 
 from dtmega.batch import make_batch
+from dtmega.kernels.document_attention import document_ids_from_eod
 from dtmega.kernels.errors import DtmegaError
 
 
-def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool) -> TensorDict:
-    """[B, S+1] token windows -> tokens, labels, loss_mask, position_ids ([B, S] each)."""
+def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool,
+                     reset_attention_mask: bool = False) -> TensorDict:
+    """[B, S+1] token windows -> tokens, labels, loss_mask, position_ids ([B, S] each), and with
+    `reset_attention_mask` the document_ids that mask attention per document (Megatron's GPT
+    dataset: a document ends with its end-of-document token; the next token starts another)."""
     data = torch.from_numpy(np.ascontiguousarray(samples))
     tokens, labels = data[:, :-1], data[:, 1:]
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -26,6 +30,9 @@ def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_p
         starts[:, 1:] = tokens[:, :-1] == eod
         segment_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
         positions = positions - segment_start
+    if reset_attention_mask:
+        documents = document_ids_from_eod(tokens, eod)
+        return make_batch(tokens.contiguous(), labels.contiguous(), loss_mask, positions, document_ids=documents)
     return make_batch(tokens.contiguous(), labels.contiguous(), loss_mask, positions)
 
 
@@ -37,12 +44,13 @@ class BatchLoader:
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, *, eod: int,
                  eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0,
-                 order: Callable[[int], int] | None = None):
+                 order: Callable[[int], int] | None = None, reset_attention_mask: bool = False):
         if global_batch % dp_size:
             raise DtmegaError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
         self.dataset, self.global_batch = dataset, global_batch
         self.dp_rank, self.local = dp_rank, global_batch // dp_size
         self.eod, self.eod_mask_loss, self.reset_position_ids = eod, eod_mask_loss, reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.consumed_samples = consumed_samples
         self.order = order
 
@@ -56,7 +64,8 @@ class BatchLoader:
         order = self.order or int
         samples = np.stack([self.dataset[order(i)] for i in range(start, start + self.local)])
         self.consumed_samples += self.global_batch
-        return sample_to_fields(samples, self.eod, self.eod_mask_loss, self.reset_position_ids)
+        return sample_to_fields(samples, self.eod, self.eod_mask_loss, self.reset_position_ids,
+                                self.reset_attention_mask)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

@@ -43,9 +43,16 @@ class DataArgs:
     eod_token: str | None = _opt(None, "end-of-document token (default: found in the vocabulary)")
     eod_mask_loss: bool = _opt(False, "no loss on positions whose input is end-of-document")
     reset_position_ids: bool = _opt(False, "restart position ids after each end-of-document")
-    reset_attention_mask: bool = _opt(False, "block attention across documents (not supported yet)")
+    reset_attention_mask: bool = _opt(False, "attention causal within each document of a sample, not across its "
+                                             "end-of-document tokens (the DocumentMasking pass: FlexAttention)")
     dataloader_type: str = _opt("single", "single: the dataset's own (shuffled) order; cyclic: also a fresh "
                                           "shuffle of the samples every pass (resumable)", ("single", "cyclic"))
+
+    def document_passes(self) -> list:
+        """DocumentMasking when --reset-attention-mask asks for attention within documents."""
+        from dtmega.passes import DocumentMasking
+
+        return [DocumentMasking()] if self.reset_attention_mask else []
 
     @property
     def per_split_paths(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:

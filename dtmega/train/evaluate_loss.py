@@ -16,7 +16,8 @@ def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod
     """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`;
     `on_batch()` after each (a progress bar's `advance`)."""
     loader = BatchLoader(dataset, shape.global_batch, pm.dp_rank, shape.dp, eod=eod,
-                         eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+                         eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                         reset_attention_mask=args.reset_attention_mask)
     total, tokens = 0.0, 0.0
     pm.eval()
     for _, batch in zip(range(args.eval_iters), loader):

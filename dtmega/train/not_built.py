@@ -59,9 +59,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.position_embedding_type != "rope",
              "learned or no position embeddings are not supported yet; dtmega's models use RoPE. Fix: "
              "--position-embedding-type rope"),
-    NotBuilt("--reset-attention-mask", ("--reset-attention-mask",), lambda a: a.reset_attention_mask,
-             "document-masked attention is not supported yet (attention spans document boundaries inside a sample, "
-             "Megatron's default). Fix: leave the flag out"),
     NotBuilt("--recompute-method uniform --recompute-num-layers N (N > 1)",
              ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
              _uniform_groups,

@@ -231,8 +231,8 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     """The pass sequence the flags ask for: each section of the arguments contributes its passes
     (dtmega/train/args.py), in plan order."""
     refuse_not_built(args)
-    return Plan([*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.fusion_passes(),
-                 *args.fp8_passes(), *args.data_parallel_passes(args.compute_dtype)])
+    return Plan([*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.document_passes(),
+                 *args.fusion_passes(), *args.fp8_passes(), *args.data_parallel_passes(args.compute_dtype)])
 
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:

@@ -215,6 +215,7 @@ class Trainer:
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
             order=CyclicOrder(len(self.datasets["train"]), g, args.seed) if args.dataloader_type == "cyclic" else None,
+            reset_attention_mask=args.reset_attention_mask,
         )
         self.spikes = SpikyLossCheck() if args.check_for_spiky_loss else None
         self.stragglers = StragglerLog(args.straggler_minmax_count) if args.log_straggler else None

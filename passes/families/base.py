@@ -73,6 +73,9 @@ class ModelFamily:
     logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] = default_logits
     attention_core: str | None = None  # FQN of the attention-core module, relative to a block
     position_kwarg: str = "position_ids"  # how a pipeline stage's forward takes position ids
+    # How the model's forward (and `logits`, as a keyword) takes per-token document ids of packed
+    # sequences (attention masked per document: passes/document_masking.py); None: not supported.
+    document_kwarg: str | None = None
     # Installs a token dispatcher (dtmega.kernels.moe_dispatch) into one MoE module: how expert
     # parallelism reaches the family's MoE code without editing it. None: no MoE support.
     install_dispatcher: Callable[[nn.Module, object], None] | None = None

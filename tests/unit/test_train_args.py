@@ -64,7 +64,6 @@ def test_planned_and_unsupported_features_are_refused():
         (["--attention-dropout", "0.1"], "dropout is not supported yet"),
         (["--normalization", "LayerNorm"], "LayerNorm blocks .* are not supported yet"),
         (["--bf16", "--fp16"], "exclusive"),
-        (["--reset-attention-mask"], "not supported yet"),
     ]:
         with pytest.raises(ArgumentError, match=message):
             reject_unsupported(parse_train_args(flags)[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dtmega.models.llama.fusion  # noqa: F401  (registers the family's fusion sites)
 from dtmega.kernels.recomputed_attention import recomputed_attention
@@ -18,13 +19,24 @@ def _recomputed_core(module: nn.Module):
     """The attention core's forward as the recomputed-attention op (selective recompute)."""
     forward = module.forward
 
-    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0):
+    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0, documents=None):
+        if documents is not None:  # packed documents: the masked attention recomputed in backward
+            return _checkpointed_documents(forward, q, k, v, documents)
         # decoding with a KV cache: nothing to recompute
         if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
             return forward(q, k, v, q_offset=q_offset)
         return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
     return recomputed
+
+
+@torch.compiler.disable
+def _checkpointed_documents(forward, q, k, v, documents):
+    """The document-masked attention core under torch.utils.checkpoint: only q, k, v (and the
+    mask) kept; outside any compiled graph, as passes/recompute.py's checkpoint_forward explains."""
+    if not torch.is_grad_enabled():
+        return forward(q, k, v, documents=documents)
+    return checkpoint(forward, q, k, v, documents=documents, use_reentrant=False)
 
 
 def _describe(model: Llama) -> ModelFacts:
@@ -54,7 +66,10 @@ def _describe(model: Llama) -> ModelFacts:
     )
 
 
-def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    if document_ids is not None:
+        return model(tokens, position_ids, document_ids=document_ids)
     return model(tokens, position_ids)
 
 
@@ -101,6 +116,7 @@ DTMEGA_LLAMA = register_family(
         ),
         logits=_logits,
         attention_core="attention.core",
+        document_kwarg="document_ids",
         install_dispatcher=_install_dispatcher,
         moe_tensor_parallel=True,
         runtime_hooks=_runtime_hooks,

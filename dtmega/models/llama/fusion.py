@@ -36,7 +36,7 @@ def fused_rope_attention(module: nn.Module, impl: str) -> Callable:
     index b * S + s."""
     plain = module.forward
 
-    def forward(x, rope, cache=None):
+    def forward(x, rope, cache=None, documents=None):
         if cache is not None:  # decoding with a KV cache: the plain path
             return plain(x, rope, cache=cache)
         batch, seq, _ = x.shape
@@ -46,7 +46,8 @@ def fused_rope_attention(module: nn.Module, impl: str) -> Callable:
         k = module.wk(x).view(batch, seq, -1, module.head_dim)
         v = module.wv(x).view(batch, seq, -1, module.head_dim)
         q, k = apply_rope_qk(q, k, table, positions, impl=impl)
-        return module.wo(module.core(q, k, v).reshape(batch, seq, -1))
+        out = module.core(q, k, v) if documents is None else module.core(q, k, v, documents=documents)
+        return module.wo(out.reshape(batch, seq, -1))
 
     return forward
 
@@ -55,8 +56,9 @@ def fuse_block_residual(block: nn.Module, impl: str) -> None:
     """dtmega's TransformerBlock with the residual add and ffn_norm fused (rms_norm_residual)."""
     eps = norm_eps(block.ffn_norm)
 
-    def forward(x, rope, cache=None):
-        attended = block.attention(block.attention_norm(x), rope, cache=cache)
+    def forward(x, rope, cache=None, documents=None):
+        extra = {} if documents is None else {"documents": documents}
+        attended = block.attention(block.attention_norm(x), rope, cache=cache, **extra)
         # The residual stream keeps its dtype (fp32 under autocast, where the attention's output
         # is bf16), as `x + attended` would by type promotion.
         normed, h = rms_norm_residual(x, attended.to(x.dtype), block.ffn_norm.weight, eps, impl=impl)

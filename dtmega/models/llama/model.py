@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtmega.init import InitSpec, init_parameters
+from dtmega.kernels.document_attention import document_attention, document_mask, positions_from_documents
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
@@ -30,10 +31,14 @@ class CoreAttention(nn.Module):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                q_offset: int | torch.Tensor = 0) -> torch.Tensor:
+                q_offset: int | torch.Tensor = 0, documents=None) -> torch.Tensor:
         """`q_offset`: position of the first query among the keys (decoding with a KV cache); a
         tensor [B] gives each row its own (a batch of sequences of different lengths, as the
-        server decodes them: row b's query i sees keys 0..q_offset[b] + i)."""
+        server decodes them: row b's query i sees keys 0..q_offset[b] + i). `documents`: the
+        packed-documents mask the model built for this forward (kernels/document_attention.py):
+        causal within each document only."""
+        if documents is not None:
+            return document_attention(q, k, v, documents)
         mask, causal = None, True
         if isinstance(q_offset, torch.Tensor):
             causal = False
@@ -62,12 +67,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
         self.core = CoreAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                documents=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if cache is None:
+        if documents is not None:
+            out = self.core(q, k, v, documents=documents)
+        elif cache is None:
             out = self.core(q, k, v)
         else:
             offset = cache.owner.length
@@ -89,13 +97,21 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                documents=None) -> torch.Tensor:
+        if documents is None:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
     """Llama-3 decoder. Build it under `torch.device("meta")`, shard it, then `init_weights()`."""
+
+    # How attention masks packed documents (kernels/document_attention.py): "sdpa" (a dense mask,
+    # the default) or "flex"; the DocumentMasking pass sets it on every pipeline stage.
+    document_backend = "sdpa"
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -113,15 +129,26 @@ class Llama(nn.Module):
         return rope_cache(c.max_seq_len, c.head_dim, c.rope_theta, c.rope_scaling, device=device)
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, vocab] for token ids [B, S]. position_ids [B, S] default to 0..S-1 (after
-        the cached positions when decoding with a `cache`).
+        the cached positions when decoding with a `cache`). `document_ids` [B, S] (packed
+        documents: equal ids = one document) make attention causal within each document only,
+        and positions restart per document unless `position_ids` say otherwise.
 
         A pipeline stage is this model with some pieces set to None: without an embedding it
         takes hidden states [B, S, D]; without norm and output it returns hidden states.
         """
         seq = tokens.shape[1]
+        documents = None
+        if document_ids is not None:
+            if cache is not None:
+                raise DtmegaError("document_ids with a KV cache: generation decodes one sequence per row. Fix: drop "
+                                  "document_ids when generating")
+            documents = document_mask(document_ids, self.document_backend)
+            if position_ids is None:
+                position_ids = positions_from_documents(document_ids)
         start = cache.length if cache is not None else 0
         if position_ids is None and start + seq > self.rope_cache.shape[0]:
             raise DtmegaError(
@@ -131,10 +158,18 @@ class Llama(nn.Module):
         if position_ids is None:
             rope = self.rope_cache[start:start + seq].unsqueeze(0)
         else:
+            if position_ids.numel() and int(position_ids.max()) >= self.rope_cache.shape[0]:
+                raise DtmegaError(
+                    f"position {int(position_ids.max())}, but the model's RoPE table has {self.rope_cache.shape[0]} "
+                    "positions (LlamaConfig.max_seq_len). Fix: shorter samples or documents, or a model config with "
+                    "a larger max_seq_len")
             rope = self.rope_cache[position_ids]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for name, block in self.layers.items():
-            h = block(h, rope) if cache is None else block(h, rope, cache=cache.layer(name))
+            if documents is not None:
+                h = block(h, rope, documents=documents)
+            else:
+                h = block(h, rope) if cache is None else block(h, rope, cache=cache.layer(name))
         if cache is not None:
             cache.advance(seq)
         if self.norm is not None:

@@ -1,0 +1,125 @@
+"""Packed documents as a pass: attention causal within each document, positions restarting per
+document, under the other passes of the plan.
+
+A batch then carries `document_ids` ([B, S] integers, equal = one document; built by
+`dtmega.document_ids_from_lengths`, or from end-of-document tokens by `dtmega train
+--reset-attention-mask`). The model builds one mask per forward from them and hands it to every
+attention core (kernels/document_attention.py); this pass chooses how that mask is computed and
+records it in the layout (`attention.document.flex` or `attention.document.sdpa` on each core)
+and the report:
+
+- backend="auto" (the default): "flex" on CUDA, "varlen" elsewhere;
+- backend="flex": FlexAttention with a BlockMask, compiled: no [S, S] tensor, fully masked blocks
+  skipped (CUDA for training: torch has no FlexAttention backward on CPU);
+- backend="varlen": each document its own causal attention: nothing masked computed, no [S, S];
+- backend="sdpa": SDPA with a dense boolean mask (S² bytes per sequence): the fallback.
+
+Composes with tensor and sequence parallelism (the mask broadcasts over the heads each rank
+holds), pipeline parallelism (the ids travel with each micro-batch to every stage, as position
+ids do), data parallelism, expert parallelism, full and selective recompute, compiled blocks and
+FuseKernels. Under context parallelism with method="a2a" (Ulysses) each rank attends the whole
+sequence for its share of the heads, so the document ids are gathered once per layer and the
+same mask applies (every rank does the same attention work, whatever the documents' lengths);
+ring and all-gather attention with document masks are not built yet: refused before launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dtmega.kernels.document_attention import BACKENDS, check_document_ids, default_backend, positions_from_documents
+from dtmega.passes.base import Pass
+from dtmega.passes.errors import PlanError
+from dtmega.passes.program import Program
+from dtmega.passes.results import ContextSharding, PassResult
+from dtmega.passes.runtime import Batch, RuntimeHook
+
+
+@dataclass(frozen=True)
+class DocumentMaskingChoice(PassResult):
+    """How packed documents are masked: the backend, and the attention cores it covers."""
+
+    backend: str
+    cores: tuple[str, ...]
+
+
+@dataclass
+class DocumentMasking(Pass):
+    """Masks attention at document boundaries (see the module docstring)."""
+
+    backend: str = "auto"  # auto | flex | varlen | sdpa
+
+    provides = ("document_masking",)
+    batch_fields = ("document_ids",)
+
+    def chosen_backend(self, device_type: str) -> str:
+        """The backend this pass runs: "auto" is FlexAttention on CUDA and the variable-length
+        path elsewhere (kernels/document_attention.py says why)."""
+        return default_backend(device_type) if self.backend == "auto" else self.backend
+
+    def annotate(self, program: Program) -> None:
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise PlanError(f"DocumentMasking(backend={self.backend!r}) is unknown; use 'auto', "
+                            f"{', '.join(repr(b) for b in BACKENDS)}")
+        family = program.family
+        if family is None or family.document_kwarg is None or family.attention_core is None:
+            name = family.name if family else type(program.model).__name__
+            raise PlanError(f"document masking needs a model whose forward takes document ids; {name} does not. "
+                            "Fix: dtmega's Llama or MoE models (dtmega.models), or register the family with "
+                            "document_kwarg and attention_core")
+        device_type = getattr(program.mesh, "device_type", "cpu")
+        backend = self.chosen_backend(device_type)
+        if backend == "flex" and device_type != "cuda":
+            raise PlanError(f"DocumentMasking(backend='flex') on {device_type}: torch has no FlexAttention backward "
+                            "there (it trains only on CUDA). Fix: backend='varlen' (or 'auto')")
+        cores = []
+        for block in program.blocks():
+            core = f"{block}.{family.attention_core}"
+            if core not in program.layout:
+                continue  # another pipeline stage's block
+            entry = program.layout[core]
+            entry.options["documents"] = backend
+            if entry.kernel is None:
+                entry.kernel = f"attention.document.{backend}"
+            cores.append(core)
+        program.record(DocumentMaskingChoice(backend, tuple(cores)))
+        how = {"flex": "BlockMask, masked blocks skipped, no [S, S] tensor",
+               "varlen": "each document its own causal attention, no [S, S] tensor",
+               "sdpa": "a dense [S, S] mask per sequence"}[backend]
+        program.note(f"DocumentMasking: attention causal within each document ({backend}: {how}) on "
+                     f"{len(cores)} attention cores")
+
+    def finalize(self, program: Program) -> None:
+        context = program.result(ContextSharding)
+        if context is not None and context.size > 1 and context.method != "a2a":
+            raise PlanError(f"document masking under {context.method} context parallelism (cp={context.size}) is not "
+                            "built yet: its blockwise attention would attend across documents. Fix: "
+                            "ContextParallel(method='a2a') (--cp-comm-type a2a), or drop DocumentMasking")
+        if context is not None and context.size > 1 and not context.targets:
+            raise PlanError("document masking under context parallelism needs the family's attention core, which "
+                            "a Hugging Face model's registered attention function is not. Fix: dtmega's models")
+
+    def apply(self, program: Program) -> None:
+        context = program.result(ContextSharding)
+        # under context parallelism the model hands its cores the (sharded) ids themselves: the
+        # context-parallel attention gathers them and builds the mask for the whole sequence
+        backend = program.require(DocumentMaskingChoice, "DocumentMasking.apply").backend
+        if context is not None and context.size > 1:
+            backend = "ids"
+        for part in program.parts:
+            part.document_backend = backend
+        program.add_hook(DocumentBoundaries(), first=True)
+
+
+class DocumentBoundaries(RuntimeHook):
+    """Before any other hook: checks each step's document ids (the error names the fix) and,
+    where the batch gives no positions, restarts them per document, so context parallelism
+    shards the positions the documents imply."""
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        documents = batch.extra["document_ids"]
+        check_document_ids(documents, batch.tokens)
+        if batch.position_ids is None:
+            batch = dataclasses.replace(batch, position_ids=positions_from_documents(documents))
+        return batch

@@ -163,7 +163,8 @@ class ParallelModel(ModelWeights):
             self.reshard()
         else:
             logits_fn = self.program.family.logits if self.program.family else default_logits
-            logits = logits_fn(self.module, fields.tokens, fields.position_ids, **document_kwargs(fields))
+            logits = logits_fn(self.module, fields.tokens, fields.position_ids,
+                               **document_kwargs(fields, self.program.family))
         for hook in reversed(self.hooks):
             logits = hook.unshard_output(logits)
         return logits

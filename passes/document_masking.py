@@ -14,6 +14,10 @@ and the report:
 - backend="varlen": each document its own causal attention: nothing masked computed, no [S, S];
 - backend="sdpa": SDPA with a dense boolean mask (S² bytes per sequence): the fallback.
 
+Hugging Face's LlamaForCausalLM masks packed documents itself when its position ids restart per
+document (transformers finds packed sequences in position_ids): for it the pass records that and
+sets the positions from the document ids.
+
 Composes with tensor and sequence parallelism (the mask broadcasts over the heads each rank
 holds), pipeline parallelism (the ids travel with each micro-batch to every stage, as position
 ids do), data parallelism, expert parallelism, full and selective recompute, compiled blocks and
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from dtmega.kernels.document_attention import BACKENDS, check_document_ids, default_backend, positions_from_documents
 from dtmega.passes.base import Pass
@@ -63,11 +69,19 @@ class DocumentMasking(Pass):
             raise PlanError(f"DocumentMasking(backend={self.backend!r}) is unknown; use 'auto', "
                             f"{', '.join(repr(b) for b in BACKENDS)}")
         family = program.family
+        if family is not None and family.document_kwarg is None and family.documents_by_positions:
+            for block in program.blocks():
+                if block in program.layout:
+                    program.layout[block].options["documents"] = "positions"
+            program.record(DocumentMaskingChoice("positions", ()))
+            program.note(f"DocumentMasking: {family.name} masks packed documents itself, from position ids that restart "
+                         "per document (the batch's document ids set them)")
+            return
         if family is None or family.document_kwarg is None or family.attention_core is None:
             name = family.name if family else type(program.model).__name__
             raise PlanError(f"document masking needs a model whose forward takes document ids; {name} does not. "
-                            "Fix: dtmega's Llama or MoE models (dtmega.models), or register the family with "
-                            "document_kwarg and attention_core")
+                            "Fix: dtmega's Llama or MoE models (dtmega.models), Hugging Face's LlamaForCausalLM, or "
+                            "register the family with document_kwarg and attention_core")
         device_type = getattr(program.mesh, "device_type", "cpu")
         backend = self.chosen_backend(device_type)
         if backend == "flex" and device_type != "cuda":
@@ -105,21 +119,31 @@ class DocumentMasking(Pass):
         # under context parallelism the model hands its cores the (sharded) ids themselves: the
         # context-parallel attention gathers them and builds the mask for the whole sequence
         backend = program.require(DocumentMaskingChoice, "DocumentMasking.apply").backend
-        if context is not None and context.size > 1:
-            backend = "ids"
-        for part in program.parts:
-            part.document_backend = backend
-        program.add_hook(DocumentBoundaries(), first=True)
+        if backend != "positions":
+            if context is not None and context.size > 1:
+                backend = "ids"
+            for part in program.parts:
+                part.document_backend = backend
+        program.add_hook(DocumentBoundaries(by_positions=backend == "positions"), first=True)
 
 
 class DocumentBoundaries(RuntimeHook):
     """Before any other hook: checks each step's document ids (the error names the fix) and,
     where the batch gives no positions, restarts them per document, so context parallelism
-    shards the positions the documents imply."""
+    shards the positions the documents imply. A model that sees documents only through its
+    position ids (`by_positions`) needs them to restart at every document."""
+
+    def __init__(self, by_positions: bool = False):
+        self.by_positions = by_positions
 
     def shard_batch(self, batch: Batch) -> Batch:
         documents = batch.extra["document_ids"]
         check_document_ids(documents, batch.tokens)
+        restarting = positions_from_documents(documents)
         if batch.position_ids is None:
-            batch = dataclasses.replace(batch, position_ids=positions_from_documents(documents))
+            batch = dataclasses.replace(batch, position_ids=restarting)
+        elif self.by_positions and not torch.equal(batch.position_ids.to(restarting.dtype), restarting):
+            raise PlanError("this model masks packed documents by position ids that restart at every document, but "
+                            "the batch's position_ids do not. Fix: --reset-position-ids with --reset-attention-mask "
+                            "(or leave position_ids out of the batch)")
         return batch

@@ -72,11 +72,14 @@ def plan_loss(program) -> Loss:
     return CROSS_ENTROPY
 
 
-def document_kwargs(batch: Batch) -> dict:
+def document_kwargs(batch: Batch, family) -> dict:
     """`document_ids=...` for a family's logits function when the batch packs documents
-    (passes/document_masking.py), else nothing."""
+    (passes/document_masking.py) and the family's model takes them, else nothing (a family that
+    masks documents by their restarting position ids gets those)."""
     documents = batch.extra.get("document_ids")
-    return {} if documents is None else {"document_ids": documents}
+    if documents is None or family is None or family.document_kwarg is None:
+        return {}
+    return {"document_ids": documents}
 
 
 def loss_for(program) -> LossFn:
@@ -90,7 +93,7 @@ def loss_for(program) -> LossFn:
     def step(module: nn.Module, batch: Batch, grad_scale: torch.Tensor | None) -> torch.Tensor:
         hidden = [module.get_submodule(output_fqn)] if loss.hidden_out else []
         with returns_hidden(hidden):
-            output = logits_fn(module, batch.tokens, batch.position_ids, **document_kwargs(batch))
+            output = logits_fn(module, batch.tokens, batch.position_ids, **document_kwargs(batch, family))
         with loss.context(output):
             total = loss.criterion(module, output, batch)
             if grad_scale is not None:

@@ -142,7 +142,7 @@ class PipelineExecutor(Executor):
         documents, the document ids (each micro-batch's own, cut by the schedule)."""
         family = self.program.family
         kwargs = {} if position_ids is None else {family.position_kwarg if family else "position_ids": position_ids}
-        if document_ids is not None:
+        if document_ids is not None and family is not None and family.document_kwarg is not None:
             kwargs[family.document_kwarg] = document_ids
         return kwargs
 

@@ -76,6 +76,9 @@ class ModelFamily:
     # How the model's forward (and `logits`, as a keyword) takes per-token document ids of packed
     # sequences (attention masked per document: passes/document_masking.py); None: not supported.
     document_kwarg: str | None = None
+    # The model masks packed documents by itself when its position ids restart per document
+    # (transformers >= 4.53 finds packed sequences in position_ids); used where document_kwarg is None.
+    documents_by_positions: bool = False
     # Installs a token dispatcher (dtmega.kernels.moe_dispatch) into one MoE module: how expert
     # parallelism reaches the family's MoE code without editing it. None: no MoE support.
     install_dispatcher: Callable[[nn.Module, object], None] | None = None

@@ -65,5 +65,6 @@ HF_LLAMA = register_family(
             Rule("model.layers.*.mlp", "gather_input", options={"args": 1}),
         ),
         logits=_logits,
+        documents_by_positions=True,
     )
 )

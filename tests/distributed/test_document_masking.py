@@ -34,11 +34,13 @@ from tests.helpers import (
     LOSS_RTOL,
     PARAM_RTOL,
     build_dtmega_llama,
+    clone_module,
     debug_llama,
     first_copy_mesh,
     full,
     relative_error,
 )
+from tests.interop_models import hf_tiny_llama
 
 SEQ = 32
 # document lengths per sample: a one-token document, a sample that is one document, and mixes
@@ -121,6 +123,55 @@ def test_packed_documents_equal_each_document_alone_under_every_plan(name):
         par_opt.step()
     for param_name, param in pm.named_parameters():
         assert relative_error(full(param), params[param_name]) <= PARAM_RTOL, param_name
+
+
+HF_PLANS = {
+    "hf_one_rank": (dict(), [DocumentMasking()]),
+    "hf_tp2_sp_fsdp2": (dict(tp=2, dp_shard=2), [TensorParallel(), SequenceParallel(), DocumentMasking(),
+                                                 DataParallel("fsdp")]),
+}
+
+
+def hf_each_document_alone(model, batch) -> torch.Tensor:
+    out = torch.zeros(batch["tokens"].shape)
+    for row, lengths in enumerate(LENGTHS[:batch["tokens"].shape[0]]):
+        start = 0
+        for length in lengths:
+            piece = slice(start, start + length)
+            logits = model(input_ids=batch["tokens"][row:row + 1, piece], use_cache=False).logits
+            out[row, piece] = per_token_cross_entropy(logits, batch["labels"][row:row + 1, piece])[0]
+            start += length
+    return out
+
+
+@pytest.mark.parametrize("name", list(HF_PLANS))
+def test_hugging_face_llama_masks_packed_documents_by_restarting_positions(name):
+    """transformers finds packed sequences in position ids that restart per document; the pass
+    sets them from the document ids, so HF's LlamaForCausalLM equals each document alone too."""
+    sizes, passes = HF_PLANS[name]
+    reference = hf_tiny_llama(seed=12)
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5)
+    par_opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
+    params = dict(reference.named_parameters())
+    for step in range(3):
+        batch = packed_batch(step, 256)
+        ref_opt.zero_grad()
+        expected = (hf_each_document_alone(reference, batch) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        expected.backward()
+        par_opt.zero_grad()
+        loss = pm.forward_backward(pm.shard_batch(batch))
+        assert relative_error(loss, expected) <= LOSS_RTOL, (step, float(loss), float(expected))
+        if step == 0:
+            for param_name, param in pm.named_parameters():
+                assert relative_error(full(param.grad), params[param_name].grad) <= GRAD_RTOL, param_name
+        ref_opt.step()
+        par_opt.step()
+    with pytest.raises(PlanError, match="position ids that restart at every document"):
+        batch = packed_batch(9, 256)
+        pm.forward_backward(pm.shard_batch(dtmega.make_batch(
+            batch["tokens"], batch["labels"], batch["loss_mask"], torch.arange(SEQ).expand(4, SEQ).clone(),
+            document_ids=batch["document_ids"])))
 
 
 @pytest.mark.parametrize("method", ["ring", "all_gather"])

@@ -87,6 +87,9 @@ def steps(label: str) -> list[Step]:
              f"docs/measured/{label}-fp8_training.json"),
         Step("offload memory", [PY, "benchmarks/offload_memory.py", "--out", str(MEASURED / f"{label}-offload_memory.json")],
              4.0, f"docs/measured/{label}-offload_memory.json"),
+        Step("packed documents", [PY, "benchmarks/documents.py", "--seq", "8192", "--documents", "8", "--device", "cuda",
+                                  "--out", str(MEASURED / f"{label}-documents.json")],
+             3.0, f"docs/measured/{label}-documents.json"),
     ]
     return plan
 

@@ -42,10 +42,14 @@ class CostEstimate:
     @property
     def mfu(self) -> float | None:
         """Model FLOPs (no recompute) per second over the peak of all ranks at the compute dtype's
-        rate (bf16's for FP8 runs too, as Megatron-Core and torchtitan report MFU)."""
+        rate (bf16's for FP8 runs too, as Megatron-Core and torchtitan report MFU). With packed
+        documents masked per document, attention counts each document's own work."""
         if not self.time or not self.hardware:
             return None
-        model_flops = self.model.flops_per_token(self.seq) * self.tokens_per_step
+        per_token = self.model.flops_per_token(self.seq)
+        # packed documents masked per document: the attention work they do, not the whole sequence's
+        per_token -= 12.0 * self.model.layers * self.model.dim * (self.seq - self.plan.attention_keys(self.seq))
+        model_flops = per_token * self.tokens_per_step
         return model_flops / (self.step_s * self.plan.world * self.hardware.flops(self.plan.dtype))
 
     def to_dict(self) -> dict:

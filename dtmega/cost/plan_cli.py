@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="FP8 scaling (implies --fp8; default delayed, dtmega train's default)")
     parser.add_argument("--framework", default="dtmega", choices=tuple(FRAMEWORKS),
                         help="whose implementation runs the plans (dtmega/cost/frameworks.py); default dtmega")
+    parser.add_argument("--document-length", type=int, default=None,
+                        help="packed documents masked per document (--reset-attention-mask): their mean length in "
+                             "tokens; attention costs each document's own work, and dtmega's CP plans use all-to-all")
     parser.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch to consider")
     parser.add_argument("--headroom", type=float, default=0.9,
                         help="fraction of device memory a plan may use (the rest: fragmentation, CUDA context)")
@@ -122,7 +125,9 @@ def run_search(args: argparse.Namespace) -> tuple[ModelShape, RunWorkload, Searc
     if fp8 and args.dtype == "float32":
         raise PlanArgumentError("--fp8 with --dtype float32: FP8 training keeps bf16 or fp16 activations. Fix: "
                                 "--dtype bfloat16")
-    work = RunWorkload(args.seq_length, args.global_batch_size, args.dtype, fp8)
+    if args.document_length is not None and args.document_length < 1:
+        raise PlanArgumentError(f"--document-length must be a positive number of tokens, got {args.document_length}")
+    work = RunWorkload(args.seq_length, args.global_batch_size, args.dtype, fp8, args.document_length)
     specs = [parse_plan_spec(text) for text in args.compare]
     result = search(model, args.gpus, min(args.gpus_per_node, args.gpus), work, hardware, headroom=args.headroom,
                     max_micro_batch=args.max_micro_batch, allow_cpu_optimizer=not args.no_cpu_optimizer,

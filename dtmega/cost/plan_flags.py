@@ -45,6 +45,8 @@ def train_options(plan: PlanShape, model: ModelShape, work: RunWorkload) -> dict
         options.update(fp8_format="hybrid", fp8_recipe=plan.fp8)
         if plan.fp8_param_gather:
             options["fp8_param_gather"] = True
+    if plan.document_length:
+        options["reset_attention_mask"] = True
     if plan.fused_loss:
         options["cross_entropy_loss_fusion"] = True
     return options

@@ -25,13 +25,15 @@ from dtmega.kernels.errors import DtmegaError
 
 @dataclass(frozen=True)
 class RunWorkload:
-    """What the run trains on: sequence length, sequences per step, compute dtype, and the FP8
-    scaling of the blocks' linears (None: no FP8)."""
+    """What the run trains on: sequence length, sequences per step, compute dtype, the FP8
+    scaling of the blocks' linears (None: no FP8), and for packed documents masked per document
+    their mean length in tokens (None: attention spans the whole sequence)."""
 
     seq: int
     global_batch: int
     dtype: str = "bfloat16"
     fp8: str | None = None
+    document_length: int | None = None
 
 
 @dataclass
@@ -103,6 +105,13 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
                     continue
                 methods = ["ring"] if cp == 1 or kind.saves == "transformer-engine" else \
                     ["ring", "all_gather"] + (["a2a"] if (model.heads // tp) % cp == 0 else [])
+                if cp > 1 and work.document_length and kind.name == "dtmega":
+                    # dtmega masks documents under all-to-all CP only (passes/document_masking.py)
+                    methods = [m for m in methods if m == "a2a"]
+                    if not methods:
+                        result.reject("packed documents need all-to-all CP, whose heads per TP rank CP must divide",
+                                      f"TP{tp} CP{cp}, {model.heads} heads")
+                        continue
                 for ep in [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1]:
                     for mode, shard in _data_modes(dp, cp, tp, ep, gpus_per_node, kind):
                         for mb in [m for m in (1, 2, 4, 8, 16, 32) if m <= max_micro_batch and
@@ -131,7 +140,8 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
                                                     cpu_optimizer=offload, fused_optimizer=fused_optimizer,
                                                     dtype=work.dtype, framework=kind.name, tp_overlap=overlap,
                                                     fp8=work.fp8, fp8_param_gather=_fp8_gather(work.fp8, mode, dp * cp),
-                                                    embedding_in_split=in_split)
+                                                    embedding_in_split=in_split,
+                                                    document_length=work.document_length)
 
 
 def _fp8_gather(fp8: str | None, mode: str, data: int) -> bool:
@@ -247,4 +257,4 @@ def plan_from_spec(spec: dict[str, object], model: ModelShape, gpus: int, work: 
                      recompute_layers=int(layers) if layers else None, fused_kernels=True, fused_loss=True,
                      fused_optimizer=fused_optimizer, dtype=work.dtype, framework=kind.name, tp_overlap=overlap,
                      fp8=work.fp8, fp8_param_gather=_fp8_gather(work.fp8, mode, dp * cp),
-                     embedding_in_split=spec.get("split") == "embedding-and-loss")
+                     embedding_in_split=spec.get("split") == "embedding-and-loss", document_length=work.document_length)

@@ -134,6 +134,9 @@ class PlanShape:
     # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and the loss each
     # take a block's place, so a stage at either end holds one block fewer
     embedding_in_split: bool = False
+    # packed documents with attention masked per document: their mean length in tokens (None: the
+    # whole sequence attends causally); attention computes each document's own triangle
+    document_length: int | None = None
 
     @property
     def world(self) -> int:
@@ -180,6 +183,11 @@ class PlanShape:
             return (model.layers - (self.pp - 2) * per) // 2
         return per
 
+    def attention_keys(self, seq: int) -> int:
+        """The sequence length attention's work scales with: the documents' mean length when
+        documents are masked, else the sequence."""
+        return min(seq, self.document_length) if self.document_length else seq
+
     def describe(self) -> str:
         """One line: 'TP4+SP PP4x2 CP2(ring) FSDP16 EP1 mb1 recompute=full'."""
         parts = [f"TP{self.tp}" + ("+SP" if self.sp else "")]
@@ -201,6 +209,8 @@ class PlanShape:
             parts.append(f"tp-overlap={self.tp_overlap}")
         if self.cpu_optimizer:
             parts.append("cpu-optimizer")
+        if self.document_length:
+            parts.append(f"documents~{self.document_length}")
         if self.framework != "dtmega":
             parts.append(f"({self.framework})")
         return " ".join(parts)

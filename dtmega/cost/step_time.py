@@ -66,6 +66,8 @@ def rank_flops(model: ModelShape, plan: PlanShape, seq: int) -> float:
     """FLOPs one rank runs per step, recompute included."""
     tokens = plan.micro_batch * plan.microbatches * seq * plan.dp  # global tokens per step (CP splits sequences)
     flops = model.flops_per_token(seq) * tokens
+    # packed documents: attention (12 L h S per token) runs over each document only
+    flops -= 12.0 * model.layers * model.dim * (seq - plan.attention_keys(seq)) * tokens
     block_share = 1 - 6.0 * model.vocab * model.dim / model.flops_per_token(seq)
     if plan.recompute == "full":
         flops += flops * block_share / 3  # one more forward of every block
@@ -165,7 +167,7 @@ def _kernel_step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Ha
     attention_rate = bf16 * hardware.attention_efficiency * framework.attention
     if plan.cp > 1:
         attention_rate *= framework.ring_attention ** math.log2(plan.cp)
-    attention_forward = 2 * tokens * seq * model.q_dim / plan.tp / attention_rate
+    attention_forward = 2 * tokens * plan.attention_keys(seq) * model.q_dim / plan.tp / attention_rate
     selective_again = 1.0 if plan.recompute == "selective" and framework.saves == "transformer-engine" else 0.0
     attention = attention_forward * (3.5 + again + selective_again)
     fused = plan.fused_kernels or plan.compiled

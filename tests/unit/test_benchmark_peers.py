@@ -196,12 +196,13 @@ def test_final_runs_are_one_shuffled_order_run_in_chunks():
 
 def test_gpu_check_dry_run_lists_every_gpu_step_with_its_expected_time(capsys):
     """`make gpu-check DRY_RUN=1`: the step table's sweep and final chunks, the CUDA numerics,
-    the kernels, the FP8 loss curve and the offload memory, each a call under 10 minutes."""
+    the kernels, the FP8 loss curve, the offload memory and packed documents, each a call under
+    10 minutes."""
     from benchmarks import gpu_check
 
     assert gpu_check.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [line.split("min", 1)[1].split()[0] for line in lines[:-1]]
-    assert {"sweep", "final", "step", "numerics", "kernels", "fp8", "offload"} == set(names)
+    assert {"sweep", "final", "step", "numerics", "kernels", "fp8", "offload", "packed"} == set(names)
     assert all(float(line.split("min")[0]) < 10 for line in lines[:-1])
     assert "min in all" in lines[-1]

@@ -185,3 +185,26 @@ def test_dtmega_train_with_reset_attention_mask_trains_within_documents(tmp_path
     assert any(isinstance(p, DocumentMasking) for p in build_plan(args, run_shape(args, world=1), 2).passes)
     result = train(argv)
     assert all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0]
+
+
+def test_the_planner_counts_the_attention_work_document_masking_does():
+    """Issue item 6: with packed documents of mean length L masked per document, attention costs
+    L/S of causal attention over the sample; dtmega's CP plans are then all-to-all only (the one
+    context-parallel method with document masks), and the flags ask for --reset-attention-mask."""
+    from dtmega.cost.hardware import BUILT_IN
+    from dtmega.cost.plan_cli import model_shape_for
+    from dtmega.cost.plan_flags import train_options
+    from dtmega.cost.search import RunWorkload, search
+
+    model, hardware = model_shape_for("llama3-8b"), BUILT_IN["h100"]
+    causal = search(model, 8, 8, RunWorkload(65536, 8), hardware, max_micro_batch=1)
+    packed = search(model, 8, 8, RunWorkload(65536, 8, document_length=1024), hardware, max_micro_batch=1)
+    assert {c.plan.cp_method for c in packed.ranked if c.plan.cp > 1} == {"a2a"}
+    assert {"ring", "all_gather"} <= {c.plan.cp_method for c in causal.ranked if c.plan.cp > 1}
+    same = next(c for c in causal.ranked if (c.plan.tp, c.plan.cp, c.plan.cp_method) == (1, 8, "a2a")
+                and c.plan.recompute == "none")
+    masked = next(c for c in packed.ranked if (c.plan.tp, c.plan.cp) == (1, 8) and c.plan.recompute == "none")
+    assert masked.step_s < 0.5 * same.step_s  # at 64k tokens attention is most of the step; 1/64 of it remains
+    assert masked.flops < same.flops and 0 < masked.mfu < 1
+    assert train_options(packed.ranked[0].plan, model, RunWorkload(65536, 8, document_length=1024))[
+        "reset_attention_mask"] is True

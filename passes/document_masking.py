@@ -108,8 +108,8 @@ class DocumentMasking(Pass):
         context = program.result(ContextSharding)
         if context is not None and context.size > 1 and context.method != "a2a":
             raise PlanError(f"document masking under {context.method} context parallelism (cp={context.size}) is not "
-                            "built yet: its blockwise attention would attend across documents. Fix: "
-                            "ContextParallel(method='a2a') (--cp-comm-type a2a), or drop DocumentMasking")
+                            "built yet: its blockwise attention would attend across documents. Fix: ContextParallel("
+                            "method='a2a') (--cp-comm-type a2a), or drop DocumentMasking (--reset-attention-mask)")
         if context is not None and context.size > 1 and not context.targets:
             raise PlanError("document masking under context parallelism needs the family's attention core, which "
                             "a Hugging Face model's registered attention function is not. Fix: dtmega's models")

@@ -208,3 +208,17 @@ def test_the_planner_counts_the_attention_work_document_masking_does():
     assert masked.flops < same.flops and 0 < masked.mfu < 1
     assert train_options(packed.ranked[0].plan, model, RunWorkload(65536, 8, document_length=1024))[
         "reset_attention_mask"] is True
+
+
+def test_a_launch_line_with_documents_under_ring_context_parallelism_is_refused_by_a_dry_run(tmp_path, capsys):
+    """--reset-attention-mask with --context-parallel-size 2 and Megatron's default --cp-comm-type
+    p2p (ring): one line naming the fix, before any process group; with a2a the plan checks."""
+    from dtmega.cli import main
+
+    corpus = prepare_corpus(tmp_path, documents=60)
+    line = tiny_args(corpus, reset_attention_mask=True, context_parallel_size=2)
+    assert main(["train", *line, "--dry-run", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "document masking under ring context parallelism (--context-parallel-size 2) is not built yet" in err
+    assert "ContextParallel(method='a2a') (--cp-comm-type a2a)" in err
+    assert main(["train", *line, "--cp-comm-type", "a2a", "--dry-run", "2"]) == 0

@@ -1,25 +1,27 @@
 """The HTTP face of `dtmega serve` (rank 0 only): FastAPI routes over the engine.
 
     PUT  /api              Megatron's text generation API (megatron_api.py)
-    POST /v1/completions   OpenAI's completions API (openai_api.py)
+    POST /v1/completions   OpenAI's completions API (openai_api.py); "stream": true for server-sent events
     GET  /v1/health        liveness and load: {"status": "ok", "running": ..., "waiting": ..., "slots": ...}
     GET  /v1/models        the served model, for OpenAI clients
 
 Every handler reads the body with a size limit, checks it completely (400 with the reason),
 then hands its sequences to the engine and waits without blocking the event loop. A client that
 disconnects, or a request past its timeout (504), has its sequences cancelled, which frees their
-slots at the engine's next step.
+slots at the engine's next step; a stream whose client leaves (or that times out) the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dtmega.serve import megatron_api, openai_api
@@ -95,6 +97,64 @@ async def _run(engine: Engine, sequences: list[SequenceRequest], request: Reques
     return [futures[s.id].result() for s in sequences]
 
 
+def _event(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _stream_completion(engine: Engine, parsed: openai_api.CompletionRequest, sequences: list[SequenceRequest],
+                             request: Request, timeout: float, tokenizer, request_id: str) -> AsyncIterator[str]:
+    """OpenAI's completion stream: each sequence's new text as its tokens arrive (held back where
+    it could still become a stop string), a last chunk per choice with its finish reason, the
+    usage if asked, then [DONE]. A client that leaves, or time running out, cancels what runs."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    first, created = sequences[0].id, int(time.time())
+    ids: dict[int, list[int]] = {s.id: [] for s in sequences}
+    sent = dict.fromkeys(ids, 0)
+    results: dict[int, SequenceResult] = {}
+    for sequence in sequences:
+        engine.submit(sequence, lambda r: loop.call_soon_threadsafe(events.put_nowait, ("done", r.id, r)),
+                      lambda sid, token: loop.call_soon_threadsafe(events.put_nowait, ("token", sid, token)))
+    deadline = loop.time() + timeout
+    try:
+        while len(results) < len(sequences):
+            try:
+                kind, sid, payload = await asyncio.wait_for(events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                if loop.time() > deadline:
+                    yield _event({"error": {"message": f"the request did not finish within the server's "
+                                            f"--request-timeout of {timeout:g} s", "type": "timeout", "param": None,
+                                            "code": None}})
+                    return
+                continue
+            if kind == "token":
+                ids[sid].append(payload)
+            else:
+                results[sid], ids[sid] = payload, list(payload.ids)
+                if payload.finish_reason == "error":
+                    yield _event({"error": {"message": f"generation failed: {payload.error}", "type": "server_error",
+                                            "param": None, "code": None}})
+                    return
+            text = openai_api.stream_safe_text(tokenizer.decode(ids[sid]), parsed.sampling.stop_strings,
+                                               finished=kind == "done")
+            if len(text) > sent[sid]:
+                yield _event(openai_api.completion_chunk(parsed, request_id, created, sid - first, text[sent[sid]:], None))
+                sent[sid] = len(text)
+            if kind == "done":
+                yield _event(openai_api.completion_chunk(parsed, request_id, created, sid - first, "",
+                                                         payload.finish_reason))
+        if parsed.include_usage:
+            yield _event(openai_api.usage_chunk(parsed, request_id, created, [results[s.id] for s in sequences]))
+        yield _event("[DONE]")
+    finally:
+        unfinished = [sid for sid in ids if sid not in results]
+        if unfinished:
+            engine.cancel(unfinished)
+
+
 def _failed(results: list[SequenceResult]) -> str | None:
     errors = [r.error for r in results if r.finish_reason == "error"]
     return errors[0] if errors else None
@@ -152,7 +212,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
     @app.post("/v1/completions")
     async def completions(request: Request):
         """OpenAI-style completions (prompt, max_tokens, temperature, top_p, stop, logprobs,
-        echo, seed, n)."""
+        echo, seed, n, stream)."""
         try:
             body = await _read_json(request, limits.max_request_bytes)
             parsed = openai_api.parse_completion_request(body, tokenizer=model.tokenizer, context=model.context,
@@ -162,6 +222,10 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
             return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
                                            "code": None}}, status_code=400)
         sequences = openai_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids) * parsed.n))
+        if parsed.stream:
+            return StreamingResponse(_stream_completion(engine, parsed, sequences, request, limits.request_timeout_s,
+                                                        model.tokenizer, f"cmpl-{uuid.uuid4().hex}"),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             results = await _run(engine, sequences, request, limits.request_timeout_s)
         except _Gone as gone:

@@ -109,6 +109,7 @@ class Engine:
         self._waiting: deque[tuple[SequenceRequest, Callable[[SequenceResult], None]]] = deque()
         self._cancelled: set[int] = set()
         self._callbacks: dict[int, Callable[[SequenceResult], None]] = {}
+        self._token_callbacks: dict[int, Callable[[int, int], None]] = {}  # streaming: (sequence id, token)
         self._free_slots = list(range(slots))
         self._stopping = False
         self.steps = 0  # broadcast rounds, idle heartbeats included
@@ -131,9 +132,13 @@ class Engine:
 
     # ---- rank 0, any thread -----------------------------------------------------------------
 
-    def submit(self, request: SequenceRequest, on_done: Callable[[SequenceResult], None]) -> None:
-        """Queues a sequence; `on_done(result)` is called from the engine's thread when it ends."""
+    def submit(self, request: SequenceRequest, on_done: Callable[[SequenceResult], None],
+               on_token: Callable[[int, int], None] | None = None) -> None:
+        """Queues a sequence; `on_done(result)` is called from the engine's thread when it ends,
+        and `on_token(sequence id, token)` (streaming) for each token it generates, before that."""
         with self._lock:
+            if on_token is not None:
+                self._token_callbacks[request.id] = on_token
             self._waiting.append((request, on_done))
             self._lock.notify()
 
@@ -177,6 +182,7 @@ class Engine:
             step = _Step(cancel=sorted(self._cancelled & set(self.running)))
             for request, on_done in [(r, f) for r, f in self._waiting if r.id in self._cancelled]:
                 self._waiting.remove((request, on_done))
+                self._token_callbacks.pop(request.id, None)
                 on_done(SequenceResult(request.id, request.prompt_ids, finish_reason="cancelled"))
             self._cancelled.clear()
             while self._waiting and self._free_slots:
@@ -262,6 +268,9 @@ class Engine:
         log_probs = logits.log_softmax(-1)
         result.ids.append(token)
         self.generated += 1
+        on_token = self._token_callbacks.get(result.id) if self.leader else None
+        if on_token is not None:
+            on_token(result.id, token)
         result.logprobs.append(float(log_probs[token]))
         if sampling.top_logprobs:
             result.top_logprobs.append(_top(log_probs, sampling.top_logprobs))
@@ -279,6 +288,7 @@ class Engine:
             with self._lock:
                 self._free_slots.append(running.slot)
                 on_done = self._callbacks.pop(running.request.id, None)
+                self._token_callbacks.pop(running.request.id, None)
             if on_done is not None:
                 on_done(running.result)
 

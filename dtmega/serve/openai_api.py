@@ -4,7 +4,9 @@
 Fields: `prompt` (a string, a list of strings, a list of token ids or a list of such lists),
 `max_tokens` (16), `temperature` (1.0; 0 is greedy), `top_p` (1.0), `stop` (a string or up to
 4), `logprobs` (null or 0-20 most likely tokens per position), `echo`, `seed`, `n` (completions
-per prompt). `stream`, `best_of` > 1, penalties, `logit_bias` and `suffix` are refused by name.
+per prompt), `stream` (server-sent events, as OpenAI's clients read them; `stream_options`
+`{"include_usage": true}` adds a last chunk with the token usage). `best_of` > 1, penalties,
+`logit_bias` and `suffix` are refused by name, as are `logprobs` and `echo` in a stream.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dtmega.serve.megatron_api import (
 )
 
 MAX_LOGPROBS = 20
-UNSUPPORTED = {"stream": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+UNSUPPORTED = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
                "suffix": None}
 
 
@@ -47,6 +49,8 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     model: str
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
@@ -104,6 +108,17 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
         raise CompletionError("seed must be an integer >= 0", "seed")
     if max_tokens == 0 and not echo:
         raise CompletionError("max_tokens 0 returns nothing unless echo is true", "max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise CompletionError("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise CompletionError("stream_options is {\"include_usage\": true|false}, with stream true", "stream_options")
+    if stream and (logprobs is not None or echo):
+        field = "logprobs" if logprobs is not None else "echo"
+        raise CompletionError(f"{field} in a stream is not supported by dtmega serve. Fix: stream false, or leave "
+                              f"{field} out", field)
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise CompletionError(f"prompt {i} is empty after tokenization. Fix: give some text", "prompt")
@@ -119,7 +134,8 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
                         stop_strings=tuple(stops), prompt_logprobs=echo and logprobs is not None,
                         top_logprobs=logprobs or 0)
     model = body.get("model") or model_name
-    return CompletionRequest(prompt_ids, sampling, n, echo, logprobs, str(model))
+    return CompletionRequest(prompt_ids, sampling, n, echo, logprobs, str(model), stream,
+                             bool((options or {}).get("include_usage", False)))
 
 
 def sequence_requests(request: CompletionRequest, first_id: int) -> list[SequenceRequest]:
@@ -167,3 +183,31 @@ def completion_response(request: CompletionRequest, results: list[SequenceResult
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def stream_safe_text(text: str, stops: tuple[str, ...], finished: bool) -> str:
+    """The part of a sequence's text a stream may send now: cut at a stop string, and while the
+    sequence runs, without a trailing undecodable byte (a character split across tokens) or a
+    tail that could still grow into a stop string (which the client must never see)."""
+    text = _cut_at_stop(text, stops)
+    if finished:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
+
+
+def completion_chunk(request: CompletionRequest, request_id: str, created: int, index: int, text: str,
+                     finish_reason: str | None) -> dict:
+    """One server-sent event's `text_completion` object (OpenAI's streaming shape)."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": request.model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(request: CompletionRequest, request_id: str, created: int, results: list[SequenceResult]) -> dict:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    prompt = sum(len(r.prompt_ids) for i, r in enumerate(results) if i % request.n == 0)
+    completion = sum(len(r.ids) for r in results)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": request.model,
+            "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                     "total_tokens": prompt + completion}}

@@ -1,7 +1,8 @@
 """`dtmega serve` over real HTTP on loopback: the seeds' curl command, Megatron's /api against
 `dtmega generate` and the model's own log-probabilities, every bad request a 400 (and the server
-still answering), OpenAI completions, batching, a client that leaves, timeouts, SIGTERM
-draining, and a tensor-parallel server answering like a one-rank server."""
+still answering), OpenAI completions and their streams (through the official `openai` client),
+batching, a client that leaves (a request or a stream), timeouts, SIGTERM draining, and a
+tensor-parallel server answering like a one-rank server."""
 
 from __future__ import annotations
 
@@ -173,8 +174,10 @@ def test_openai_completions_and_health(server):
         assert cut["text"] == completion[:completion.index(stop)] and cut["finish_reason"] == "stop"
     status, error = server.request("POST", "/v1/completions", {"prompt": PROMPT, "top_p": 0})
     assert status == 400 and error["error"]["param"] == "top_p"
-    status, error = server.request("POST", "/v1/completions", {"prompt": PROMPT, "stream": True})
-    assert status == 400 and "stream=True is not supported" in error["error"]["message"]
+    status, error = server.request("POST", "/v1/completions", {"prompt": PROMPT, "stream": True, "logprobs": 1})
+    assert status == 400 and error["error"]["param"] == "logprobs" and "in a stream" in error["error"]["message"]
+    status, error = server.request("POST", "/v1/completions", {"prompt": PROMPT, "stream": "yes"})
+    assert status == 400 and error["error"]["param"] == "stream"
     status, error = server.request("POST", "/v1/completions", {"prompt": "x" * 130, "max_tokens": 4})
     assert status == 400 and error["error"]["param"] == "prompt" and "at most 127 tokens" in error["error"]["message"]
     status, error = server.request("POST", "/v1/completions", {"prompt": "x" * 100, "max_tokens": 40})
@@ -184,6 +187,56 @@ def test_openai_completions_and_health(server):
     assert server.request("GET", "/v1/models")[1]["data"][0]["id"] == "checkpoints"
     health = server.health()
     assert health["status"] == "ok" and health["slots"] == 32 and health["running"] == 0
+
+
+def _streamed(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    return texts, finish, usage
+
+
+def test_the_openai_client_streams_completions_that_equal_the_whole_answer(server):
+    """The official `openai` package with stream=True (server-sent events): for the same seed the
+    concatenated chunks of every choice equal the non-streamed text, finish reasons and usage
+    agree, and a stop string is never sent, not even in part."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="checkpoints", prompt=[PROMPT, "And"], max_tokens=12, temperature=0.9, top_p=0.95, seed=3, n=2)
+    whole = client.completions.create(**kwargs)
+    texts, finish, usage = _streamed(client.completions.create(**kwargs, stream=True,
+                                                               stream_options={"include_usage": True}))
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    greedy = client.completions.create(model="checkpoints", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    if len(greedy) > 4:
+        stop = greedy[2:4]
+        cut = client.completions.create(model="checkpoints", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
+        texts, finish, _ = _streamed(client.completions.create(model="checkpoints", prompt=PROMPT, max_tokens=12,
+                                                               temperature=0, stop=stop, stream=True))
+        assert texts[0] == cut.choices[0].text == greedy[:greedy.index(stop)] and finish[0] == "stop"
+    assert server.health()["running"] == 0
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slots(server):
+    before = server.health()["generated_tokens"]
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": ["x"] * 16, "max_tokens": 120, "stream": True}).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200")  # the stream started
+        assert wait_until(lambda: server.health()["running"] > 0, every=0.01)
+    assert wait_until(lambda: server.health()["running"] + server.health()["waiting"] == 0, timeout=10)
+    assert server.health()["generated_tokens"] - before < 16 * 120  # stopped early, slots free
 
 
 def test_concurrent_requests_decode_together(server):

@@ -2,6 +2,7 @@
 
     PUT  /api              Megatron's text generation API (megatron_api.py)
     POST /v1/completions   OpenAI's completions API (openai_api.py); "stream": true for server-sent events
+    POST /v1/chat/completions  OpenAI's chat API (chat_api.py): messages through the chat template
     GET  /v1/health        liveness and load: {"status": "ok", "running": ..., "waiting": ..., "slots": ...}
     GET  /v1/models        the served model, for OpenAI clients
 
@@ -17,14 +18,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dtmega.serve import megatron_api, openai_api
+from dtmega.serve import chat_api, megatron_api, openai_api
+from dtmega.serve.chat_template import ChatTemplate
 from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
 from dtmega.serve.megatron_api import RequestError
 
@@ -47,6 +49,7 @@ class ServedModel:
     tokenizer: object
     context: int
     vocab_size: int
+    chat_template: ChatTemplate | None = None  # /v1/chat/completions renders messages with it
 
 
 class _Gone(Exception):
@@ -102,14 +105,25 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream_completion(engine: Engine, parsed: openai_api.CompletionRequest, sequences: list[SequenceRequest],
-                             request: Request, timeout: float, tokenizer, request_id: str) -> AsyncIterator[str]:
-    """OpenAI's completion stream: each sequence's new text as its tokens arrive (held back where
-    it could still become a stop string), a last chunk per choice with its finish reason, the
-    usage if asked, then [DONE]. A client that leaves, or time running out, cancels what runs."""
+@dataclass(frozen=True)
+class StreamShape:
+    """How a stream's events look (completions or chat): the chunk opening a choice (or None),
+    one carrying new text, one ending a choice, and the usage chunk."""
+
+    opening: Callable[[int], dict | None]
+    text: Callable[[int, str], dict]
+    finish: Callable[[int, str], dict]
+    usage: Callable[[list[SequenceResult]], dict]
+
+
+async def _stream(engine: Engine, parsed: openai_api.CompletionRequest, sequences: list[SequenceRequest],
+                  request: Request, timeout: float, tokenizer, shape: StreamShape) -> AsyncIterator[str]:
+    """An OpenAI stream: each sequence's new text as its tokens arrive (held back where it could
+    still become a stop string), a last chunk per choice with its finish reason, the usage if
+    asked, then [DONE]. A client that leaves, or time running out, cancels what still runs."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    first, created = sequences[0].id, int(time.time())
+    first = sequences[0].id
     ids: dict[int, list[int]] = {s.id: [] for s in sequences}
     sent = dict.fromkeys(ids, 0)
     results: dict[int, SequenceResult] = {}
@@ -118,6 +132,9 @@ async def _stream_completion(engine: Engine, parsed: openai_api.CompletionReques
                       lambda sid, token: loop.call_soon_threadsafe(events.put_nowait, ("token", sid, token)))
     deadline = loop.time() + timeout
     try:
+        for sequence in sequences:
+            if (opening := shape.opening(sequence.id - first)) is not None:
+                yield _event(opening)
         while len(results) < len(sequences):
             try:
                 kind, sid, payload = await asyncio.wait_for(events.get(), POLL_S)
@@ -141,18 +158,40 @@ async def _stream_completion(engine: Engine, parsed: openai_api.CompletionReques
             text = openai_api.stream_safe_text(tokenizer.decode(ids[sid]), parsed.sampling.stop_strings,
                                                finished=kind == "done")
             if len(text) > sent[sid]:
-                yield _event(openai_api.completion_chunk(parsed, request_id, created, sid - first, text[sent[sid]:], None))
+                yield _event(shape.text(sid - first, text[sent[sid]:]))
                 sent[sid] = len(text)
             if kind == "done":
-                yield _event(openai_api.completion_chunk(parsed, request_id, created, sid - first, "",
-                                                         payload.finish_reason))
+                yield _event(shape.finish(sid - first, payload.finish_reason))
         if parsed.include_usage:
-            yield _event(openai_api.usage_chunk(parsed, request_id, created, [results[s.id] for s in sequences]))
+            yield _event(shape.usage([results[s.id] for s in sequences]))
         yield _event("[DONE]")
     finally:
         unfinished = [sid for sid in ids if sid not in results]
         if unfinished:
             engine.cancel(unfinished)
+
+
+def _completion_stream(parsed: openai_api.CompletionRequest, request_id: str) -> StreamShape:
+    created = int(time.time())
+    return StreamShape(
+        opening=lambda index: None,
+        text=lambda index, text: openai_api.completion_chunk(parsed, request_id, created, index, text, None),
+        finish=lambda index, reason: openai_api.completion_chunk(parsed, request_id, created, index, "", reason),
+        usage=lambda results: openai_api.usage_chunk(parsed, request_id, created, results))
+
+
+def _chat_stream(parsed: openai_api.CompletionRequest, request_id: str) -> StreamShape:
+    created = int(time.time())
+    return StreamShape(
+        opening=lambda index: chat_api.chat_chunk(parsed, request_id, created, index,
+                                                  {"role": "assistant", "content": ""}, None),
+        text=lambda index, text: chat_api.chat_chunk(parsed, request_id, created, index, {"content": text}, None),
+        finish=lambda index, reason: chat_api.chat_chunk(parsed, request_id, created, index, {}, reason),
+        usage=lambda results: chat_api.chat_usage_chunk(parsed, request_id, created, results))
+
+
+def _openai_error(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
 def _failed(results: list[SequenceResult]) -> str | None:
@@ -223,8 +262,8 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
                                            "code": None}}, status_code=400)
         sequences = openai_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids) * parsed.n))
         if parsed.stream:
-            return StreamingResponse(_stream_completion(engine, parsed, sequences, request, limits.request_timeout_s,
-                                                        model.tokenizer, f"cmpl-{uuid.uuid4().hex}"),
+            return StreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s, model.tokenizer,
+                                             _completion_stream(parsed, f"cmpl-{uuid.uuid4().hex}")),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             results = await _run(engine, sequences, request, limits.request_timeout_s)
@@ -235,6 +274,31 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
             return JSONResponse({"error": {"message": f"generation failed: {error}", "type": "server_error",
                                            "param": None, "code": None}}, status_code=500)
         return openai_api.completion_response(parsed, results, model.tokenizer, f"cmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI-style chat completions (messages through the chat template; n, max_tokens or
+        max_completion_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs, stream)."""
+        try:
+            body = await _read_json(request, limits.max_request_bytes)
+            parsed = chat_api.parse_chat_request(body, chat=model.chat_template, tokenizer=model.tokenizer,
+                                                 context=model.context, vocab_size=model.vocab_size,
+                                                 model_name=model.name)
+        except RequestError as error:
+            return _openai_error(str(error), 400, param=getattr(error, "param", None))
+        sequences = openai_api.sequence_requests(parsed, next_ids(parsed.n))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if parsed.stream:
+            return StreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s, model.tokenizer,
+                                             _chat_stream(parsed, request_id)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            results = await _run(engine, sequences, request, limits.request_timeout_s)
+        except _Gone as gone:
+            return _openai_error(str(gone), 504, "timeout")
+        if (error := _failed(results)) is not None:
+            return _openai_error(f"generation failed: {error}", 500, "server_error")
+        return chat_api.chat_response(parsed, results, model.tokenizer, request_id)
 
     @app.get("/v1/health")
     async def health():

@@ -25,6 +25,7 @@ from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
+from dtmega.serve.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.serve.engine import Engine
 from dtmega.serve.kv_budget import (
     KVCacheSize,
@@ -42,7 +43,7 @@ from dtmega.train.restore import (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmega serve", description="Serve a checkpoint over HTTP (Megatron's PUT /api, "
-                                "OpenAI's POST /v1/completions, GET /v1/health).",
+                                "OpenAI's POST /v1/completions and /v1/chat/completions, GET /v1/health).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_source(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; the server "
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may take before it is cancelled (HTTP 504)")
     p.add_argument("--model-name", help="the model's name in responses (default: the checkpoint's directory name)")
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template of /v1/chat/completions: a Hugging Face tokenizer directory (its "
+                        "tokenizer_config.json or chat_template.jinja) or a .jinja file (default: --load-hf's, if it has "
+                        "one)")
     p.add_argument("--custom-import", nargs="+", default=[], help="modules that register the checkpoint's model")
     return p
 
@@ -80,6 +85,19 @@ def check_arguments(a: argparse.Namespace) -> None:
         raise DtmegaError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise DtmegaError(f"--max-model-len {a.max_model_len} must be at least 2 (a prompt token and a generated one)")
+
+
+def chat_template_of(a: argparse.Namespace) -> ChatTemplate | None:
+    """--chat-template, else --load-hf's own template where it has one (read and parsed now, before
+    any weight: a template that does not parse fails at start-up)."""
+    if a.chat_template is not None:
+        return ChatTemplate.load(a.chat_template)
+    if getattr(a, "load_hf", None):
+        try:
+            return ChatTemplate.load(a.load_hf)
+        except ChatTemplateError:
+            return None  # a base model: /v1/chat/completions then says how to give one
+    return None
 
 
 def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
@@ -117,6 +135,7 @@ def main(argv: list[str]) -> None:
     """Loads the checkpoint, listens, and serves until SIGTERM/Ctrl-C."""
     a = build_parser().parse_args(argv)
     check_arguments(a)
+    chat = chat_template_of(a)
     head = read_source_head(a, contents=False)
     if head.spec.family != "dtmega-llama":
         raise DtmegaError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
@@ -147,7 +166,7 @@ def main(argv: list[str]) -> None:
         return
     run_dir = head.checkpoint.parent if head.checkpoint.name.startswith("iter_") else head.checkpoint
     name = a.model_name or run_dir.name
-    app = build_app(engine, ServedModel(name, tokenizer, context, tokenizer.vocab_size),
+    app = build_app(engine, ServedModel(name, tokenizer, context, tokenizer.vocab_size, chat),
                     ServeLimits(a.max_request_bytes, a.request_timeout))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout))
     host, port = sock.getsockname()[:2]

@@ -47,6 +47,7 @@ class Sampling:
     seed: int = 0
     stop_token: int | None = None
     stop_strings: tuple[str, ...] = ()
+    stop_tokens: tuple[int, ...] = ()  # more tokens that end the sequence (a chat's end-of-turn)
     prompt_logprobs: bool = False
     top_logprobs: int = 0
 
@@ -262,7 +263,7 @@ class Engine:
         choice = choose_next(logits[None], temperature=0.0 if greedy else sampling.temperature,
                              top_k=sampling.top_k, top_p=sampling.top_p, generator=running.generator)
         token = int(choice.ids)
-        if token == sampling.stop_token:
+        if token == sampling.stop_token or token in sampling.stop_tokens:
             self._finish(running, "stop")
             return
         log_probs = logits.log_softmax(-1)

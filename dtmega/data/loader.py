@@ -64,6 +64,9 @@ class BatchLoader:
         order = self.order or int
         samples = np.stack([self.dataset[order(i)] for i in range(start, start + self.local)])
         self.consumed_samples += self.global_batch
+        to_fields = getattr(self.dataset, "to_fields", None)  # a dataset of its own fields (SFT's packed chats)
+        if to_fields is not None:
+            return to_fields(samples)
         return sample_to_fields(samples, self.eod, self.eod_mask_loss, self.reset_position_ids,
                                 self.reset_attention_mask)
 

@@ -31,11 +31,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) malformed lines instead of failing")
     p.add_argument("--split-sentences", action="store_true", help="not supported yet")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    chat = p.add_argument_group("chat (SFT) data", "--chat: JSONL conversations rendered with the tokenizer's chat "
+                                "template, loss on the assistant's tokens, packed into --seq-length samples "
+                                "(dtmega train --sft reads them)")
+    chat.add_argument("--chat", action="store_true", help="the input holds {\"messages\": [...]} conversations")
+    chat.add_argument("--seq-length", type=int, help="--chat: tokens per training sample (the run's --seq-length)")
+    chat.add_argument("--chat-template", help="--chat: a .jinja file or tokenizer directory (default: "
+                                              "--tokenizer-model's directory's template)")
+    chat.add_argument("--chat-overlong", choices=("truncate", "drop"), default="truncate",
+                      help="--chat: a conversation longer than a sample is cut there or left out (counted either way)")
     return p
+
+
+def preprocess_chat_main(args: argparse.Namespace, console: Console) -> None:
+    """`dtmega preprocess --chat`: everything checked before a line is read."""
+    from dtmega.data.chat_data import preprocess_chat
+    from dtmega.data.chat_template import ChatTemplate
+    from dtmega.data.tokenizers import build_tokenizer
+
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise DtmegaError("--chat renders conversations with a Hugging Face tokenizer's chat template. Fix: "
+                          "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (its tokenizer_config.json "
+                          "holds the template)")
+    if args.seq_length is None or args.seq_length < 2:
+        raise DtmegaError("--chat packs conversations into training samples: give --seq-length (the training run's)")
+    model_dir = Path(args.tokenizer_model)
+    chat = ChatTemplate.load(args.chat_template or (model_dir if model_dir.is_dir() else model_dir.parent))
+    tokenizer = build_tokenizer(TokenizerSpec(args.tokenizer_type, args.tokenizer_model, eod_token=args.eod_token))
+    counts = preprocess_chat(args.input, args.output_prefix, tokenizer, chat, args.seq_length, args.chat_overlong,
+                             tokenizer.to_json())
+    console.print(f"{counts.conversations} conversations -> {counts.samples} samples of {args.seq_length + 1} tokens "
+                  f"({counts.assistant_tokens} assistant tokens in the loss); {counts.truncated} truncated, "
+                  f"{counts.dropped} dropped, {counts.without_answer} without an answer: "
+                  f"{args.output_prefix}_sft.bin / .json", highlight=False)
 
 
 def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
+    if args.chat:
+        preprocess_chat_main(args, Console(stderr=True))
+        return
     if args.split_sentences:
         raise DtmegaError("--split-sentences is not supported yet: documents are tokenized whole")
     if args.train_tokenizer and args.tokenizer_type not in (None, "HuggingFaceTokenizer"):

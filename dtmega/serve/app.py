@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dtmega.data.chat_template import ChatTemplate
 from dtmega.serve import chat_api, megatron_api, openai_api
-from dtmega.serve.chat_template import ChatTemplate
 from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
 from dtmega.serve.megatron_api import RequestError
 

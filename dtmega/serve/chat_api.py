@@ -17,7 +17,7 @@ import secrets
 import time
 from typing import Any
 
-from dtmega.serve.chat_template import ChatTemplate, ChatTemplateError
+from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.serve.engine import Sampling, SequenceResult
 from dtmega.serve.megatron_api import MAX_PROMPTS, ContextError, _is_int, _is_number, check_context
 from dtmega.serve.openai_api import MAX_LOGPROBS, CompletionError, CompletionRequest, _cut_at_stop

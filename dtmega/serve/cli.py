@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
+from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
-from dtmega.serve.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.serve.engine import Engine
 from dtmega.serve.kv_budget import (
     KVCacheSize,

@@ -44,7 +44,9 @@ class DataArgs:
     eod_mask_loss: bool = _opt(False, "no loss on positions whose input is end-of-document")
     reset_position_ids: bool = _opt(False, "restart position ids after each end-of-document")
     reset_attention_mask: bool = _opt(False, "attention causal within each document of a sample, not across its "
-                                             "end-of-document tokens (the DocumentMasking pass: FlexAttention)")
+                                             "end-of-document tokens (the DocumentMasking pass)")
+    sft: bool = _opt(False, "supervised fine-tuning on packed chat samples (--data-path: the prefix `dtmega preprocess "
+                            "--chat` wrote): loss on the assistant's tokens, attention within each conversation")
     dataloader_type: str = _opt("single", "single: the dataset's own (shuffled) order; cyclic: also a fresh "
                                           "shuffle of the samples every pass (resumable)", ("single", "cyclic"))
 
@@ -52,7 +54,7 @@ class DataArgs:
         """DocumentMasking when --reset-attention-mask asks for attention within documents."""
         from dtmega.passes import DocumentMasking
 
-        return [DocumentMasking()] if self.reset_attention_mask else []
+        return [DocumentMasking()] if self.reset_attention_mask or self.sft else []
 
     @property
     def per_split_paths(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
@@ -79,6 +81,9 @@ class DataArgs:
                                             ("--train/valid/test-data-path", per_split is not None)) if given]
         if len(sources) > 1:
             raise ArgumentError(f"{' and '.join(sources)} both say where the samples come from. Fix: keep one")
+        if self.sft and (len(self.data_path) != 1 or self.per_split_paths is not None):
+            raise ArgumentError("--sft reads one packed chat file: --data-path PREFIX (as `dtmega preprocess --chat "
+                                "--output-prefix PREFIX` wrote it), split by --split")
         if not sources:
             raise ArgumentError("dtmega train needs data: --data-path (with --split), --train-data-path (and "
                                 "--valid-data-path), or --mock-data")

@@ -146,9 +146,15 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         args = dataclasses.replace(args, load=None)
     if args.load:
         config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
-    for prefix in args.data_prefixes:
-        IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
-    entropy = check_data_vocab(args, tokenizer.vocab_size)
+    if args.sft:  # packed chat samples: their header, --seq-length and token ids checked now
+        from dtmega.data.sft_dataset import check_sft_file
+
+        for prefix in args.data_prefixes:
+            check_sft_file(prefix, args.seq_length, tokenizer.vocab_size)
+    else:
+        for prefix in args.data_prefixes:
+            IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
+    entropy = None if args.sft else check_data_vocab(args, tokenizer.vocab_size)
     plan = build_plan(args, shape, layers_of(spec, config))
     notes += plan_notes(args, shape) + validation_cost_note(args, args.total_steps(shape.global_batch))
     parameters = check_before_launch(spec, config, shape, plan, args)

@@ -22,6 +22,7 @@ import dtmega
 from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
 from dtmega.data.sample_order import CyclicOrder
+from dtmega.data.sft_dataset import sft_datasets
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
@@ -126,6 +127,8 @@ class Trainer:
 
             self.datasets = mock_datasets(sizes, args.seq_length, self.tokenizer.vocab_size, self.tokenizer.eod,
                                           args.seed)
+        elif args.sft:  # packed chat samples (dtmega preprocess --chat)
+            self.datasets = sft_datasets(args.data_path[0], args.seq_length, list(args.split_weights), sizes)
         else:
             self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length,
                                                       args.seed, args.data_cache_path, args.per_split_paths), sizes)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dtmega.serve.chat_template import ChatTemplate, ChatTemplateError
+from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.serve.process import ServerProcess
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + "

@@ -2,7 +2,8 @@
 
 A Hugging Face tokenizer directory keeps its template in `tokenizer_config.json`
 (`chat_template`: a string, or a list of named templates whose "default" is used) or beside it
-in `chat_template.jinja`; `dtmega serve --chat-template` also takes a .jinja file. Rendering uses
+in `chat_template.jinja`; `dtmega serve --chat-template` and `dtmega preprocess --chat` also take
+a .jinja file. Rendering uses
 the environment transformers' `apply_chat_template` uses (a sandboxed, immutable Jinja
 environment with trim_blocks and lstrip_blocks, loop controls, its `tojson` filter and the
 `raise_exception` and `strftime_now` globals), the messages, `add_generation_prompt` and the

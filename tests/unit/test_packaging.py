@@ -126,3 +126,21 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_plan_and_a_train_dry_run_outside
               "--tokenizer-model", "data/tokenizer.json", "--seq-length", "64", "--micro-batch-size", "2",
               "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3", "--dry-run", "4")
     assert "plan check out; nothing ran" in out, out[-2000:]
+    # the planner as another framework runs a published configuration (issue 33)
+    out = run("dtmega", "plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100", "--framework", "megatron-core",
+              "--fp8", "--fp8-recipe", "tensorwise", "--seq-length", "8192", "--global-batch-size", "128", "--top", "1",
+              "--compare", "tp=4,pp=8,vp=5,cp=1,mb=1,recompute=none,mode=distributed-optimizer,overlap=userbuffers")
+    assert " fits (" in out and " rank #" in out, out[-2000:]
+    # chat data and an SFT launch line checked (issue 34): the template beside the trained tokenizer
+    (work / "data" / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + "
+        "eos_token }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"}))
+    (work / "chats.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}) + "\n" for i in range(20)))
+    run("dtmega", "preprocess", "--chat", "--input", "chats.jsonl", "--output-prefix", "data/chat", "--tokenizer-type",
+        "HuggingFaceTokenizer", "--tokenizer-model", "data", "--seq-length", "64")
+    out = run("dtmega", "train", "--model", "debug", "--sft", "--data-path", "data/chat", "--tokenizer-type",
+              "HuggingFaceTokenizer", "--tokenizer-model", "data/tokenizer.json", "--seq-length", "64",
+              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
+              "--split", "90,10,0", "--dry-run", "2")
+    assert "plan check out; nothing ran" in out and "attention.document.varlen" in out, out[-2000:]

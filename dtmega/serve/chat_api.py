@@ -13,14 +13,13 @@ and `logit_bias` are refused by name, as are logprobs in a stream.
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
 from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.serve.engine import Sampling, SequenceResult
-from dtmega.serve.megatron_api import MAX_PROMPTS, ContextError, _is_int, _is_number, check_context
-from dtmega.serve.openai_api import MAX_LOGPROBS, CompletionError, CompletionRequest, _cut_at_stop
+from dtmega.serve.megatron_api import MAX_PROMPTS, ContextError, _is_int, check_context
+from dtmega.serve.openai_api import MAX_LOGPROBS, CompletionError, CompletionRequest, _cut_at_stop, sampling_fields
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "presence_penalty": 0,
@@ -88,16 +87,7 @@ def parse_chat_request(body: Any, *, chat: ChatTemplate | None, tokenizer, conte
         max_tokens = max(1, context - len(prompt))
     if not _is_int(max_tokens) or max_tokens < 1:
         raise CompletionError(f"{budget_name} must be an integer >= 1", budget_name)
-    temperature = body.get("temperature", 1.0)
-    if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
-        raise CompletionError("temperature must be a number from 0 (greedy) to 2", "temperature")
-    top_p = body.get("top_p", 1.0)
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise CompletionError("top_p must be a number in (0, 1]", "top_p")
-    stop = body.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise CompletionError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    common = sampling_fields(body, max_temperature=2.0)
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool) and logprobs is not None:
         raise CompletionError("logprobs must be true or false", "logprobs")
@@ -105,16 +95,7 @@ def parse_chat_request(body: Any, *, chat: ChatTemplate | None, tokenizer, conte
     if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS or not logprobs):
         raise CompletionError(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, with logprobs true",
                               "top_logprobs")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise CompletionError("seed must be an integer >= 0", "seed")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise CompletionError("stream must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise CompletionError("stream_options is {\"include_usage\": true|false}, with stream true", "stream_options")
-    if stream and logprobs:
+    if common.stream and logprobs:
         raise CompletionError("logprobs in a stream is not supported by dtmega serve. Fix: stream false, or leave "
                               "logprobs out", "logprobs")
     if not prompt:
@@ -125,13 +106,11 @@ def parse_chat_request(body: Any, *, chat: ChatTemplate | None, tokenizer, conte
         check_context(len(prompt), max_tokens, context, what="the rendered conversation", budget=budget_name)
     except ContextError as error:
         raise CompletionError(str(error), "messages" if error.param == "prompt" else budget_name) from None
-    sampling = Sampling(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                        seed=secrets.randbits(62) if seed is None else seed, stop_token=tokenizer.eod,
-                        stop_tokens=end_of_turn_tokens(chat, tokenizer), stop_strings=tuple(stops),
-                        top_logprobs=top or 0)
+    sampling = Sampling(max_new_tokens=max_tokens, temperature=common.temperature, top_p=common.top_p,
+                        seed=common.seed, stop_token=tokenizer.eod, stop_tokens=end_of_turn_tokens(chat, tokenizer),
+                        stop_strings=common.stops, top_logprobs=top or 0)
     return CompletionRequest([prompt], sampling, n, False, (top or 0) if logprobs else None,
-                             str(body.get("model") or model_name), stream,
-                             bool((options or {}).get("include_usage", False)))
+                             str(body.get("model") or model_name), common.stream, common.include_usage)
 
 
 def _logprob_entry(tokenizer, token: int, value: float) -> dict:

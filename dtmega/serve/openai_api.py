@@ -66,6 +66,45 @@ def _prompts(prompt: Any, tokenizer) -> list[list[int]]:
                           "token ids", "prompt")
 
 
+@dataclass(frozen=True)
+class SamplingFields:
+    """The fields both OpenAI endpoints take alike, checked."""
+
+    temperature: float
+    top_p: float
+    stops: tuple[str, ...]
+    seed: int  # a fresh random seed where the request gives none
+    stream: bool
+    include_usage: bool
+
+
+def sampling_fields(body: dict, max_temperature: float) -> SamplingFields:
+    """temperature (0 to `max_temperature`), top_p, stop, seed, stream and stream_options;
+    `CompletionError` naming the field."""
+    temperature = body.get("temperature", 1.0)
+    if not _is_number(temperature) or not 0.0 <= temperature <= max_temperature:
+        raise CompletionError(f"temperature must be a number from 0 (greedy) to {max_temperature:g}", "temperature")
+    top_p = body.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise CompletionError("top_p must be a number in (0, 1]", "top_p")
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise CompletionError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise CompletionError("seed must be an integer >= 0", "seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise CompletionError("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise CompletionError("stream_options is {\"include_usage\": true|false}, with stream true", "stream_options")
+    return SamplingFields(float(temperature), float(top_p), tuple(stops), secrets.randbits(62) if seed is None else seed,
+                          stream, bool((options or {}).get("include_usage", False)))
+
+
 def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: int, model_name: str) -> CompletionRequest:
     """Checks a completions body; raises `CompletionError` naming the field and the fix."""
     if not isinstance(body, dict):
@@ -87,35 +126,16 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
         max_tokens = max(1, context - max(len(p) for p in prompt_ids))
     if not _is_int(max_tokens) or max_tokens < 0:
         raise CompletionError("max_tokens must be an integer >= 0", "max_tokens")
-    temperature = body.get("temperature", 1.0)
-    if not _is_number(temperature) or not 0.0 <= temperature <= 100.0:
-        raise CompletionError("temperature must be a number from 0 (greedy) to 100", "temperature")
-    top_p = body.get("top_p", 1.0)
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise CompletionError("top_p must be a number in (0, 1]", "top_p")
-    stop = body.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise CompletionError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    common = sampling_fields(body, max_temperature=100.0)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise CompletionError(f"logprobs must be null or an integer from 0 to {MAX_LOGPROBS}", "logprobs")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise CompletionError("echo must be true or false", "echo")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise CompletionError("seed must be an integer >= 0", "seed")
     if max_tokens == 0 and not echo:
         raise CompletionError("max_tokens 0 returns nothing unless echo is true", "max_tokens")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise CompletionError("stream must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise CompletionError("stream_options is {\"include_usage\": true|false}, with stream true", "stream_options")
-    if stream and (logprobs is not None or echo):
+    if common.stream and (logprobs is not None or echo):
         field = "logprobs" if logprobs is not None else "echo"
         raise CompletionError(f"{field} in a stream is not supported by dtmega serve. Fix: stream false, or leave "
                               f"{field} out", field)
@@ -129,13 +149,11 @@ def parse_completion_request(body: Any, *, tokenizer, context: int, vocab_size: 
                           budget="max_tokens")
         except ContextError as error:
             raise CompletionError(str(error), error.param) from None
-    sampling = Sampling(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                        seed=secrets.randbits(62) if seed is None else seed, stop_token=tokenizer.eod,
-                        stop_strings=tuple(stops), prompt_logprobs=echo and logprobs is not None,
-                        top_logprobs=logprobs or 0)
+    sampling = Sampling(max_new_tokens=max_tokens, temperature=common.temperature, top_p=common.top_p,
+                        seed=common.seed, stop_token=tokenizer.eod, stop_strings=common.stops,
+                        prompt_logprobs=echo and logprobs is not None, top_logprobs=logprobs or 0)
     model = body.get("model") or model_name
-    return CompletionRequest(prompt_ids, sampling, n, echo, logprobs, str(model), stream,
-                             bool((options or {}).get("include_usage", False)))
+    return CompletionRequest(prompt_ids, sampling, n, echo, logprobs, str(model), common.stream, common.include_usage)
 
 
 def sequence_requests(request: CompletionRequest, first_id: int) -> list[SequenceRequest]:

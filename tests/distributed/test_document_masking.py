@@ -75,17 +75,43 @@ def packed_batch(step: int, vocab: int, rows: int = 4):
     return dtmega.make_batch(tokens, labels, mask, document_ids=documents)
 
 
-def each_document_alone(model, batch) -> torch.Tensor:
-    """Per-token cross entropy [B, S] from running every document of every sample by itself."""
+def each_document_alone(logits_of, batch) -> torch.Tensor:
+    """Per-token cross entropy [B, S] from running every document of every sample by itself
+    (`logits_of(tokens)`: the unsharded model's logits)."""
     out = torch.zeros(batch["tokens"].shape)
     for row, lengths in enumerate(LENGTHS[:batch["tokens"].shape[0]]):
         start = 0
         for length in lengths:
             piece = slice(start, start + length)
-            logits = model(batch["tokens"][row:row + 1, piece])
+            logits = logits_of(batch["tokens"][row:row + 1, piece])
             out[row, piece] = per_token_cross_entropy(logits, batch["labels"][row:row + 1, piece])[0]
             start += length
     return out
+
+
+def train_against_each_document_alone(pm, reference, logits_of, vocab: int, steps: int) -> None:
+    """`steps` AdamW steps of the plan and of the reference on packed batches: the plan's loss
+    equals the documents' losses alone every step, every gradient at the first, every parameter
+    at the end."""
+    params = dict(reference.named_parameters())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5)
+    par_opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
+    for step in range(steps):
+        batch = packed_batch(step, vocab)
+        ref_opt.zero_grad()
+        expected = (each_document_alone(logits_of, batch) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        expected.backward()
+        par_opt.zero_grad()
+        loss = pm.forward_backward(pm.shard_batch(batch))
+        assert relative_error(loss, expected) <= LOSS_RTOL, (step, float(loss), float(expected))
+        if step == 0:
+            for param_name, param in pm.named_parameters():
+                error = relative_error(full(param.grad), params[param_name].grad)
+                assert error <= GRAD_RTOL, (param_name, error)
+        ref_opt.step()
+        par_opt.step()
+    for param_name, param in pm.named_parameters():
+        assert relative_error(full(param), params[param_name]) <= PARAM_RTOL, param_name
 
 
 def config_for(name: str) -> LlamaConfig:
@@ -104,25 +130,7 @@ def test_packed_documents_equal_each_document_alone_under_every_plan(name):
     pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
     pm.init_weights(seed=31)
     assert pm.batch_fields == ("document_ids",)
-    params = dict(reference.named_parameters())
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5)
-    par_opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
-    for step in range(5):
-        batch = packed_batch(step, config.vocab_size)
-        ref_opt.zero_grad()
-        expected = (each_document_alone(reference, batch) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-        expected.backward()
-        par_opt.zero_grad()
-        loss = pm.forward_backward(pm.shard_batch(batch))
-        assert relative_error(loss, expected) <= LOSS_RTOL, (step, float(loss), float(expected))
-        if step == 0:
-            for param_name, param in pm.named_parameters():
-                error = relative_error(full(param.grad), params[param_name].grad)
-                assert error <= GRAD_RTOL, (param_name, error)
-        ref_opt.step()
-        par_opt.step()
-    for param_name, param in pm.named_parameters():
-        assert relative_error(full(param), params[param_name]) <= PARAM_RTOL, param_name
+    train_against_each_document_alone(pm, reference, reference, config.vocab_size, steps=5)
 
 
 HF_PLANS = {
@@ -132,18 +140,6 @@ HF_PLANS = {
 }
 
 
-def hf_each_document_alone(model, batch) -> torch.Tensor:
-    out = torch.zeros(batch["tokens"].shape)
-    for row, lengths in enumerate(LENGTHS[:batch["tokens"].shape[0]]):
-        start = 0
-        for length in lengths:
-            piece = slice(start, start + length)
-            logits = model(input_ids=batch["tokens"][row:row + 1, piece], use_cache=False).logits
-            out[row, piece] = per_token_cross_entropy(logits, batch["labels"][row:row + 1, piece])[0]
-            start += length
-    return out
-
-
 @pytest.mark.parametrize("name", list(HF_PLANS))
 def test_hugging_face_llama_masks_packed_documents_by_restarting_positions(name):
     """transformers finds packed sequences in position ids that restart per document; the pass
@@ -151,22 +147,8 @@ def test_hugging_face_llama_masks_packed_documents_by_restarting_positions(name)
     sizes, passes = HF_PLANS[name]
     reference = hf_tiny_llama(seed=12)
     pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5)
-    par_opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-5)
-    params = dict(reference.named_parameters())
-    for step in range(3):
-        batch = packed_batch(step, 256)
-        ref_opt.zero_grad()
-        expected = (hf_each_document_alone(reference, batch) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-        expected.backward()
-        par_opt.zero_grad()
-        loss = pm.forward_backward(pm.shard_batch(batch))
-        assert relative_error(loss, expected) <= LOSS_RTOL, (step, float(loss), float(expected))
-        if step == 0:
-            for param_name, param in pm.named_parameters():
-                assert relative_error(full(param.grad), params[param_name].grad) <= GRAD_RTOL, param_name
-        ref_opt.step()
-        par_opt.step()
+    train_against_each_document_alone(pm, reference, lambda tokens: reference(input_ids=tokens, use_cache=False).logits,
+                                      256, steps=3)
     with pytest.raises(PlanError, match="position ids that restart at every document"):
         batch = packed_batch(9, 256)
         pm.forward_backward(pm.shard_batch(dtmega.make_batch(

@@ -124,17 +124,19 @@ class DocumentMasking(Pass):
                 backend = "ids"
             for part in program.parts:
                 part.document_backend = backend
-        program.add_hook(DocumentBoundaries(by_positions=backend == "positions"), first=True)
+        program.add_hook(DocumentBoundaries(by_positions=backend == "positions",
+                                            max_positions=program.facts.max_positions), first=True)
 
 
 class DocumentBoundaries(RuntimeHook):
-    """Before any other hook: checks each step's document ids (the error names the fix) and,
+    """Before any other hook: checks each step's document ids and positions against the
+    model's (the error names the fix) and,
     where the batch gives no positions, restarts them per document, so context parallelism
     shards the positions the documents imply. A model that sees documents only through its
     position ids (`by_positions`) needs them to restart at every document."""
 
-    def __init__(self, by_positions: bool = False):
-        self.by_positions = by_positions
+    def __init__(self, by_positions: bool = False, max_positions: int | None = None):
+        self.by_positions, self.max_positions = by_positions, max_positions
 
     def shard_batch(self, batch: Batch) -> Batch:
         documents = batch.extra["document_ids"]
@@ -146,4 +148,8 @@ class DocumentBoundaries(RuntimeHook):
             raise PlanError("this model masks packed documents by position ids that restart at every document, but "
                             "the batch's position_ids do not. Fix: --reset-position-ids with --reset-attention-mask "
                             "(or leave position_ids out of the batch)")
+        top = int(batch.position_ids.max()) if batch.position_ids.numel() else 0
+        if self.max_positions is not None and top >= self.max_positions:
+            raise PlanError(f"position {top}, but the model has {self.max_positions} positions (its RoPE table). Fix: "
+                            "shorter samples or documents, or a model with more positions")
         return batch

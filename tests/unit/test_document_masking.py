@@ -155,9 +155,12 @@ def test_bad_document_ids_and_positions_beyond_the_model_are_refused():
         check_document_ids(torch.zeros(2, 3, dtype=torch.long), tokens)
     with pytest.raises(dtmega.DtmegaError, match="decrease inside a sample"):
         check_document_ids(torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0]]), tokens)
-    model, _ = build_dtmega_llama(debug_llama(max_seq_len=8), seed=5)
-    with pytest.raises(dtmega.DtmegaError, match=r"position 9, but the model's RoPE table has 8 positions"):
-        model(torch.zeros(1, 10, dtype=torch.long), torch.arange(10)[None])
+    _, meta_copy = build_dtmega_llama(debug_llama(max_seq_len=8), seed=5)
+    pm = dtmega.parallelize(meta_copy(), dtmega.make_mesh(device_type="cpu"), dtmega.Plan([DocumentMasking()]))
+    batch = dtmega.make_batch(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 10, dtype=torch.long),
+                              position_ids=torch.arange(10)[None], document_ids=torch.zeros(1, 10, dtype=torch.long))
+    with pytest.raises(PlanError, match=r"position 9, but the model has 8 positions \(its RoPE table\)"):
+        pm.forward_backward(pm.shard_batch(batch))
 
 
 def test_a_family_without_document_ids_is_refused_by_the_pass():

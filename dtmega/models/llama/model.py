@@ -158,11 +158,6 @@ class Llama(nn.Module):
         if position_ids is None:
             rope = self.rope_cache[start:start + seq].unsqueeze(0)
         else:
-            if position_ids.numel() and int(position_ids.max()) >= self.rope_cache.shape[0]:
-                raise DtmegaError(
-                    f"position {int(position_ids.max())}, but the model's RoPE table has {self.rope_cache.shape[0]} "
-                    "positions (LlamaConfig.max_seq_len). Fix: shorter samples or documents, or a model config with "
-                    "a larger max_seq_len")
             rope = self.rope_cache[position_ids]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for name, block in self.layers.items():

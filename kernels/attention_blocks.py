@@ -6,7 +6,8 @@ mask on the block's own indices (query i sees keys 0..i), the only mask ring att
 once fully hidden blocks are skipped. On CPU the block runs PyTorch's fused flash-attention
 kernel (exact, no [Sq, Sk] score matrix kept); elsewhere the plain-PyTorch reference, which
 the tests check the fused path against. Blockwise methods (ring, all-gather) walk the blocks
-of keys with `visible_block` and fold each result in with `merge_partial`.
+of keys, each with its parts (kernels/context_blocks.py), and fold each result in with
+`merge_partial`.
 """
 
 from __future__ import annotations
@@ -112,28 +113,34 @@ def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(new_lse)
 
 
-def attend(q: torch.Tensor, blocks, scale: float, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q: torch.Tensor, blocks, scale: float, fused: bool | None = None, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` over key/value blocks, given as (stacked [2, B, Hkv, S, D] block, its
-    `visible_block`) pairs in any order: (out in q's dtype, lse fp32, or float64 for float64 q)."""
+    parts: kernels/context_blocks.BlockPart, none = skipped) pairs in any order: (out in q's
+    dtype, lse fp32, or float64 for float64 q). `stats` counts blocks attended and skipped."""
     accumulate = accumulation_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=accumulate, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=accumulate, device=q.device)
-    for kv, visible in blocks:
-        if visible is None:
-            continue
-        row, col, masked = visible
-        block_out, block_lse = block_attention(q[:, :, row:], kv[0, :, :, :col], kv[1, :, :, :col], masked, scale, fused)
-        merge_partial(out[:, :, row:], lse[:, :, row:], block_out, block_lse)
+    for kv, parts in blocks:
+        if stats is not None:
+            stats.count_block(parts)
+        for part in parts:
+            b, rows, cols = part.batch, part.rows, part.cols
+            block_out, block_lse = block_attention(q[b, :, rows], kv[0, b, :, cols], kv[1, b, :, cols], part.causal,
+                                                   scale, fused)
+            merge_partial(out[b, :, rows], lse[b, :, rows], block_out, block_lse)
     return out.to(q.dtype), lse
 
 
-def attend_backward(grad_out, q, out, lse, kv, visible, scale: float, fused: bool | None, dq: torch.Tensor):
-    """One block's share of the backward of `attend`: adds its dQ into `dq` (fp32) and returns
-    (dK, dV) of the block's first `col` keys and that `col`."""
-    row, col, masked = visible
-    dq_block, dk, dv = block_attention_backward(
-        grad_out[:, :, row:], q[:, :, row:], kv[0, :, :, :col], kv[1, :, :, :col], out[:, :, row:], lse[:, :, row:],
-        masked, scale, fused,
-    )
-    dq[:, :, row:] += dq_block
-    return dk, dv, col
+def attend_backward(grad_out, q, out, lse, kv, parts, scale: float, fused: bool | None, dq: torch.Tensor,
+                    dkv: torch.Tensor) -> None:
+    """One block's share of the backward of `attend`: adds its dQ into `dq` and the block's
+    dK, dV into `dkv` ([2, B, Hkv, S, D], fp32 accumulators)."""
+    for part in parts:
+        b, rows, cols = part.batch, part.rows, part.cols
+        dq_block, dk, dv = block_attention_backward(
+            grad_out[b, :, rows], q[b, :, rows], kv[0, b, :, cols], kv[1, b, :, cols], out[b, :, rows],
+            lse[b, :, rows], part.causal, scale, fused,
+        )
+        dq[b, :, rows] += dq_block
+        dkv[0, b, :, cols] += dk
+        dkv[1, b, :, cols] += dv

@@ -8,8 +8,14 @@ and attention still sees the whole sequence.
   on H/cp heads, and back.
 
 Masks follow from the global position of every query and key, so contiguous and zigzag shards
-are both exact. Tensors are [B, S, H, D]; keys/values may have fewer heads (GQA). Plain
-PyTorch and torch.distributed: the same code runs on gloo and nccl.
+are both exact. Packed documents (`documents`: each token's document id) are masked by every
+method: a2a gathers the ids and masks the whole sequence; ring and all-gather gather them (a few
+bytes per token), recover which tokens each rank holds (kernels/document_shards.py: the ids are
+the documents' start positions, as `SequenceSharding` writes them) and attend only the parts of
+each block that share a document (kernels/context_blocks.py).
+
+Tensors are [B, S, H, D]; keys/values may have fewer heads (GQA). Plain PyTorch and
+torch.distributed: the same code runs on gloo and nccl.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from dtmega.kernels.allgather_attention import AllGatherAttention
+from dtmega.kernels.context_blocks import ContextBlocks, causal_blocks, document_blocks
 from dtmega.kernels.context_shards import CommStats, token_indices
 from dtmega.kernels.document_attention import document_attention, document_mask
+from dtmega.kernels.document_shards import shard_documents
+from dtmega.kernels.errors import DtmegaError
 from dtmega.kernels.ring_attention import RingAttention
 
 METHODS = ("ring", "all_gather", "a2a")
@@ -80,7 +89,7 @@ def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats, docume
         ids = funcol.all_gather_tensor(documents.contiguous(), 1, group).contiguous()
         if zigzag:
             ids = ids.index_select(1, natural)
-        out = document_attention(qh, kh, vh, document_mask(ids, document_backend))
+        out = document_attention(qh, kh, vh, document_mask(ids, document_backend), scale)
         if zigzag:
             out = out.index_select(1, order)
         return _to_sequence(out, group, world, stats)
@@ -93,6 +102,31 @@ def _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats, docume
     return _to_sequence(out, group, world, stats)
 
 
+def sharded_document_blocks(documents: torch.Tensor, group, balanced: bool) -> ContextBlocks:
+    """The blocks of packed samples whose tokens `SequenceSharding` dealt to the ranks of
+    `group`: `documents` is this rank's [B, S/cp] ids, each its document's start position."""
+    world = dist.get_world_size(group)
+    gathered = funcol.all_gather_tensor(documents.contiguous(), 0, group).view(world, *documents.shape).cpu()
+    seq_len = documents.shape[1] * world
+    positions = []
+    for b in range(documents.shape[0]):
+        starts = torch.unique(gathered[:, b]).tolist()
+        if starts[0] != 0 or starts[-1] >= seq_len:
+            raise DtmegaError("packed documents reached blockwise context-parallel attention with ids that are not "
+                              "their documents' start positions. Fix: shard the batch with the plan's hooks "
+                              "(ParallelModel.shard_batch / forward_backward), which write them")
+        lengths = [end - start for start, end in zip(starts, [*starts[1:], seq_len])]
+        dealt = shard_documents(lengths, world, balanced).positions
+        start_of = torch.repeat_interleave(torch.tensor(starts), torch.tensor(lengths))
+        if not torch.equal(start_of[dealt], gathered[:, b].long()):
+            raise DtmegaError("the tokens of a packed sample are not on the context-parallel ranks the document-aware "
+                              "sharding puts them. Fix: shard the batch with the plan's hooks "
+                              "(ParallelModel.shard_batch / forward_backward)")
+        positions.append(dealt)
+    positions = torch.stack(positions, dim=1)  # [world, B, S/cp]
+    return document_blocks(positions, gathered.long())
+
+
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, method: str = "ring", zigzag: bool = True,
     causal: bool = True, scale: float | None = None, stats: CommStats | None = None, fused: bool | None = None,
@@ -101,21 +135,24 @@ def context_parallel_attention(
     """softmax(q k^T * scale [+ causal mask]) v over the whole sequence, each rank passing its
     shard of q, k, v ([B, S/cp, H, D], GQA allowed) and getting its shard of the output.
 
-    `stats` counts the bytes this rank sends. `fused` (ring, all_gather) picks the block kernel:
-    None for the fused one where the device has it, False for the plain-PyTorch reference.
-    `documents`: this rank's document ids of packed sequences ([B, S/cp]); attention is then
-    causal within each document, masked by `document_backend` (a2a only)."""
+    `stats` counts the bytes this rank sends (and the blocks ring/all-gather attend or skip).
+    `fused` (ring, all_gather) picks the block kernel: None for the fused one where the device
+    has it, False for the plain-PyTorch reference. `documents`: this rank's document ids of
+    packed sequences ([B, S/cp]); attention is then causal within each document: a2a masks with
+    `document_backend`; ring and all-gather need the ids to be each document's start position
+    and the tokens dealt by `kernels.document_shards.shard_documents` (balanced when `zigzag`),
+    as `SequenceSharding` does."""
     world = dist.get_world_size(group)
-    if documents is not None and method != "a2a":
-        raise ValueError(f"document masking under {method} context parallelism is not built yet; use method='a2a'")
     seq_len = q.shape[1] * world
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if method == "ring":
+    if method in ("ring", "all_gather"):
+        if documents is not None:
+            blocks = sharded_document_blocks(documents, group, zigzag)
+        else:
+            blocks = causal_blocks(seq_len, world, zigzag, causal, q.device)
+        kernel = RingAttention if method == "ring" else AllGatherAttention
         heads_first = (t.transpose(1, 2) for t in (q, k, v))
-        return RingAttention.apply(*heads_first, seq_len, group, zigzag, causal, scale, stats, fused).transpose(1, 2)
-    if method == "all_gather":
-        heads_first = (t.transpose(1, 2) for t in (q, k, v))
-        return AllGatherAttention.apply(*heads_first, seq_len, group, zigzag, causal, scale, stats, fused).transpose(1, 2)
+        return kernel.apply(*heads_first, blocks, group, scale, stats, fused).transpose(1, 2)
     if method == "a2a":
         return _a2a_attention(q, k, v, seq_len, group, zigzag, causal, scale, stats, documents, document_backend)
     raise ValueError(f"context-parallel method {method!r} is unknown; use one of {METHODS}")

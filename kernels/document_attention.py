@@ -10,8 +10,9 @@ recorded in the layout:
   and no [S, S] tensor exists: the kernel saves q, k, v, its output and log-sum-exp. The plan's
   choice on CUDA. torch 2.13 has no FlexAttention backward on CPU (NotImplementedError), so on
   CPU it serves forward-only use (evaluation, generation of packed prompts).
-- "varlen": each document its own causal attention (scaled_dot_product_attention on the
-  document's rows: PyTorch's fused flash kernel on CPU), the variable-length form. Nothing masked
+- "varlen": each document its own causal attention, the variable-length form: on CUDA in
+  fp16/bf16 one call of torch's variable-length flash kernel (`torch.nn.attention.varlen`), else
+  scaled_dot_product_attention on each document's rows (PyTorch's fused flash kernel on CPU). Nothing masked
   is computed and nothing of size [S, S] exists; it reads the boundaries on the host once per
   layer, so it runs outside compiled graphs. The plan's choice on CPU.
 - "sdpa": scaled_dot_product_attention with a dense boolean [B, 1, S, S] mask: the fallback that
@@ -28,6 +29,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dtmega.kernels.errors import DtmegaError
 
@@ -141,18 +143,60 @@ def _compiled_flex():
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *,
-                            compiled: bool = True) -> torch.Tensor:
+                            compiled: bool = True, scale: float | None = None) -> torch.Tensor:
     """FlexAttention over [B, H, S, D] heads (GQA allowed) with a document BlockMask."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = _compiled_flex() if compiled else flex_attention
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _flash_varlen():
+    """torch's variable-length flash attention (CUDA, fp16/bf16), or None where torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def flash_varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor,
+                                    scale: float | None = None, varlen_attn=None) -> torch.Tensor:
+    """All documents of all rows as one variable-length batch through torch's flash kernel
+    (`torch.nn.attention.varlen.varlen_attn`): [B, S, H, D] -> [B*S, H, D] with cumulative
+    document lengths, causal within each. torch 2.13 spells causal as window_size=(-1, 0),
+    earlier releases as is_causal=True; GQA is passed on where the kernel takes it, else the
+    key/value heads are repeated."""
+    import inspect
+
+    varlen_attn = varlen_attn or _flash_varlen()
+    b, s, h, d = q.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # every row starts a document
+    first = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
+    cu = torch.cat([first, torch.tensor([b * s], dtype=torch.int32, device=first.device)])
+    longest = int((cu[1:] - cu[:-1]).max())
+    parameters = inspect.signature(varlen_attn).parameters
+    options: dict = {"scale": scale}
+    options.update({"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True})
+    if k.shape[2] != h:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+    out = varlen_attn(q.reshape(b * s, h, d), k.reshape(b * s, k.shape[2], d), v.reshape(b * s, v.shape[2], d),
+                      cu, cu, longest, longest, **options)
+    return out.view(b, s, h, out.shape[-1])
 
 
 @torch.compiler.disable
 def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              document_ids: torch.Tensor) -> torch.Tensor:
-    """Each document of each row its own causal attention ([B, S, H, D] heads, GQA allowed)."""
+                              document_ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Each document of each row its own causal attention ([B, S, H, D] heads, GQA allowed):
+    on CUDA in fp16/bf16 one call of torch's variable-length flash kernel where torch has it,
+    elsewhere SDPA per document (the fused flash kernel on CPU)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _flash_varlen() is not None:
+        return flash_varlen_document_attention(q, k, v, document_ids, scale)
     gqa = q.shape[2] != k.shape[2]
     rows = []
     for b in range(q.shape[0]):
@@ -161,18 +205,48 @@ def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bounds = [0, *change, q.shape[1]]
         pieces = [F.scaled_dot_product_attention(
             q[b:b + 1, s:e].transpose(1, 2), k[b:b + 1, s:e].transpose(1, 2), v[b:b + 1, s:e].transpose(1, 2),
-            is_causal=True, enable_gqa=gqa).transpose(1, 2) for s, e in zip(bounds[:-1], bounds[1:])]
+            is_causal=True, scale=scale, enable_gqa=gqa).transpose(1, 2) for s, e in zip(bounds[:-1], bounds[1:])]
         rows.append(torch.cat(pieces, dim=1))
     return torch.cat(rows, dim=0)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float | None = None
+                       ) -> torch.Tensor:
     """Attention over [B, S, H, D] heads with what `document_mask` built: a dense boolean mask
     runs SDPA, integer document ids the variable-length path, a BlockMask FlexAttention."""
     if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-        return varlen_document_attention(q, k, v, mask)
+        return varlen_document_attention(q, k, v, mask, scale)
     if isinstance(mask, torch.Tensor):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             enable_gqa=q.shape[2] != k.shape[2])
+                                             scale=scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
-    return flex_document_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+    return flex_document_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                   scale=scale).transpose(1, 2)
+
+
+class DocumentAttentionCore(nn.Module):
+    """An attention core for models whose own cores take no document ids (torchtitan's): called
+    as torchtitan calls its inner attention ([B, S, H, D] q, k, v; `attention_masks`; `scale`),
+    it attends causally within each document when `attention_masks` holds the batch's document
+    ids, and causally over the whole sequence when it is None. The mask `backend` makes from the
+    ids is built by the first core of a forward and reused by the others (same ids tensor)."""
+
+    def __init__(self, backend: str, shared: dict | None = None):
+        super().__init__()
+        self.backend = backend
+        self._shared = {} if shared is None else shared  # one per model: the last ids and their mask
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, is_causal=True, **kwargs) -> torch.Tensor:
+        if attention_masks is None:
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=is_causal, scale=scale,
+                                                  enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        if not isinstance(attention_masks, torch.Tensor) or attention_masks.dtype not in (torch.int32, torch.int64):
+            raise DtmegaError(f"{type(self).__name__} takes the batch's document ids as attention_masks, got "
+                              f"{type(attention_masks).__name__}. Fix: pass document_ids through the plan's batch")
+        if self._shared.get("ids") is not attention_masks:
+            self._shared.update(ids=attention_masks, mask=document_mask(attention_masks, self.backend))
+        return document_attention(q, k, v, self._shared["mask"], scale)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"

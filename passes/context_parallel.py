@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dtmega.kernels.context_attention import METHODS, context_parallel_attention
 from dtmega.kernels.context_shards import CommStats, token_indices
+from dtmega.kernels.document_shards import document_starts, shard_batch_documents
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
@@ -38,6 +39,9 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q, k, v, *args, scale=None, is_causal=True, attention_masks=None, q_offset=0, documents=None,
                 **kwargs):
+        if documents is None and isinstance(attention_masks, torch.Tensor) and attention_masks.dtype in (
+                torch.int32, torch.int64):
+            documents, attention_masks = attention_masks, None  # a family passing document ids as its masks
         if attention_masks is not None:
             raise ValueError("context-parallel attention handles causal and full masks only, not attention_masks")
         if isinstance(q_offset, torch.Tensor) or q_offset:
@@ -71,7 +75,12 @@ def hf_attention_function(group, method: str, zigzag: bool, stats: CommStats):
 class ContextParallel(Pass):
     """Shards the sequence over `axis` (zigzag: rank r holds chunks r and 2*cp-1-r of 2*cp, so
     causal work is balanced) and runs attention with `method` = ring | all_gather | a2a.
-    Position ids stay global. Needs a DataParallel pass (gradients are averaged over dp x cp)."""
+    Position ids stay global. Needs a DataParallel pass (gradients are averaged over dp x cp).
+
+    With DocumentMasking under ring or all-gather, load_balance="zigzag" balances by documents
+    instead: each sample's chunks are dealt so every rank's queries attend the same number of
+    query-key pairs within their documents (kernels/document_shards.py), per batch; None keeps
+    contiguous shards."""
 
     axis: str = "cp"
     method: str = "ring"
@@ -148,10 +157,11 @@ class ContextParallel(Pass):
         sharding = program.require(ContextSharding, "ContextParallel.apply")
         mesh = program.submesh(self.axis)
         group, stats = mesh.get_group(), CommStats()
-        program.add_hook(SequenceSharding(sharding, mesh, stats))
         from dtmega.passes.document_masking import DocumentMaskingChoice
 
         documents = program.result(DocumentMaskingChoice)
+        by_documents = documents is not None and documents.backend != "positions" and self.method != "a2a"
+        program.add_hook(SequenceSharding(sharding, mesh, stats, by_documents))
         for fqn in sharding.targets:
             parent_fqn, _, name = fqn.rpartition(".")
             for parent in program.modules_at(parent_fqn):
@@ -168,11 +178,15 @@ class ContextParallel(Pass):
 
 class SequenceSharding(RuntimeHook):
     """Keeps this context-parallel rank's tokens of every sequence (zigzag chunks, positions
-    global) before anything runs; `comm` counts what the attention ops sent."""
+    global) before anything runs; `comm` counts what the attention ops sent. `by_documents`
+    (packed documents under ring or all-gather): each sample's tokens are dealt by document
+    work (kernels/document_shards.py) and its document ids become the documents' start
+    positions, from which the attention recovers the deal."""
 
-    def __init__(self, sharding: ContextSharding, mesh, comm: CommStats):
+    def __init__(self, sharding: ContextSharding, mesh, comm: CommStats, by_documents: bool = False):
         self.sharding, self.rank, self.comm = sharding, mesh.get_local_rank(), comm
-        self.group = mesh.get_group()
+        self.group, self.by_documents = mesh.get_group(), by_documents
+        self._order: torch.Tensor | None = None  # [B, S]: the last batch's tokens, rank after rank
 
     def unshard_output(self, output: torch.Tensor) -> torch.Tensor:
         """Every cp rank's [B, S/cp, ...] output, back in sequence order on every rank (a
@@ -183,10 +197,14 @@ class SequenceSharding(RuntimeHook):
         pieces = [torch.empty_like(local) for _ in range(self.sharding.size)]
         dist.all_gather(pieces, local.contiguous(), group=self.group)
         seq = local.shape[1] * self.sharding.size
-        order = torch.cat([token_indices(seq, self.sharding.size, rank, self.sharding.zigzag, device=local.device)
-                           for rank in range(self.sharding.size)])
         whole = torch.empty((local.shape[0], seq, *local.shape[2:]), dtype=local.dtype, device=local.device)
-        whole[:, order] = torch.cat(pieces, dim=1)
+        if self.by_documents:
+            rows = torch.arange(local.shape[0], device=local.device)[:, None]
+            whole[rows, self._order.to(local.device)] = torch.cat(pieces, dim=1)
+        else:
+            order = torch.cat([token_indices(seq, self.sharding.size, rank, self.sharding.zigzag, device=local.device)
+                               for rank in range(self.sharding.size)])
+            whole[:, order] = torch.cat(pieces, dim=1)
         if isinstance(output, DTensor):
             return DTensor.from_local(whole, output.device_mesh, output.placements, run_check=False)
         return whole
@@ -201,12 +219,23 @@ class SequenceSharding(RuntimeHook):
                 f"sequence length {seq} is not divisible by {how}. Fix: use a sequence length that is a multiple "
                 f"of {parts}" + (", or ContextParallel(load_balance=None)" if self.sharding.zigzag else "")
             )
-        index = token_indices(seq, self.sharding.size, self.rank, self.sharding.zigzag, device=batch.tokens.device)
         positions = batch.position_ids
         if positions is None:
             positions = torch.arange(seq, device=batch.tokens.device).expand(batch.tokens.shape)
         batch = dataclasses.replace(batch, position_ids=positions)
+        if self.by_documents:
+            return self._shard_by_documents(batch)
+        index = token_indices(seq, self.sharding.size, self.rank, self.sharding.zigzag, device=batch.tokens.device)
         return batch.map(lambda tensor: shard_sequence(tensor, index))
+
+    def _shard_by_documents(self, batch: Batch) -> Batch:
+        ids = batch.extra["document_ids"]
+        shards = shard_batch_documents(ids, self.sharding.size, balanced=self.sharding.zigzag)
+        self._order = torch.stack([shard.positions.flatten() for shard in shards])
+        index = torch.stack([shard.positions[self.rank] for shard in shards]).to(batch.tokens.device)
+        batch = dataclasses.replace(batch, extra={**batch.extra, "document_ids": document_starts(ids)})
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+        return batch.map(lambda tensor: tensor[rows.to(tensor.device), index.to(tensor.device)])
 
 
 def shard_sequence(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

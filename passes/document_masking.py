@@ -23,8 +23,10 @@ holds), pipeline parallelism (the ids travel with each micro-batch to every stag
 ids do), data parallelism, expert parallelism, full and selective recompute, compiled blocks and
 FuseKernels. Under context parallelism with method="a2a" (Ulysses) each rank attends the whole
 sequence for its share of the heads, so the document ids are gathered once per layer and the
-same mask applies (every rank does the same attention work, whatever the documents' lengths);
-ring and all-gather attention with document masks are not built yet: refused before launch.
+same mask applies (every rank does the same attention work, whatever the documents' lengths).
+Under ring and all-gather each sample's tokens are dealt to the ranks by document work
+(kernels/document_shards.py) and each block of keys is attended only where it shares a
+document with the queries; fully masked blocks are skipped (kernels/context_blocks.py).
 """
 
 from __future__ import annotations
@@ -106,10 +108,6 @@ class DocumentMasking(Pass):
 
     def finalize(self, program: Program) -> None:
         context = program.result(ContextSharding)
-        if context is not None and context.size > 1 and context.method != "a2a":
-            raise PlanError(f"document masking under {context.method} context parallelism (cp={context.size}) is not "
-                            "built yet: its blockwise attention would attend across documents. Fix: ContextParallel("
-                            "method='a2a') (--cp-comm-type a2a), or drop DocumentMasking (--reset-attention-mask)")
         if context is not None and context.size > 1 and not context.targets:
             raise PlanError("document masking under context parallelism needs the family's attention core, which "
                             "a Hugging Face model's registered attention function is not. Fix: dtmega's models")
@@ -118,14 +116,32 @@ class DocumentMasking(Pass):
         context = program.result(ContextSharding)
         # under context parallelism the model hands its cores the (sharded) ids themselves: the
         # context-parallel attention gathers them and builds the mask for the whole sequence
-        backend = program.require(DocumentMaskingChoice, "DocumentMasking.apply").backend
+        choice = program.require(DocumentMaskingChoice, "DocumentMasking.apply")
+        backend = choice.backend
         if backend != "positions":
-            if context is not None and context.size > 1:
+            under_context = context is not None and context.size > 1
+            if under_context:
                 backend = "ids"
             for part in program.parts:
                 part.document_backend = backend
+            family = program.family
+            if family.document_core is not None and not under_context:
+                self._install_cores(program, family, backend, choice.cores)
         program.add_hook(DocumentBoundaries(by_positions=backend == "positions",
                                             max_positions=program.facts.max_positions), first=True)
+
+
+    @staticmethod
+    def _install_cores(program: Program, family, backend: str, cores: tuple[str, ...]) -> None:
+        """The family's document-masking core at every attention core; they share one mask per
+        forward."""
+        shared: dict = {}
+        for fqn in cores:
+            parent_fqn, _, name = fqn.rpartition(".")
+            for parent in program.modules_at(parent_fqn):
+                core = family.document_core(backend)
+                core._shared = shared
+                setattr(parent, name, core)
 
 
 class DocumentBoundaries(RuntimeHook):

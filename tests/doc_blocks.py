@@ -49,6 +49,7 @@ BENCHMARK_SCALE = {
     "fp8_training.py": ["--steps", "4", "--warmup", "1", "--log-interval", "1", "--size", "tiny"],
     "serve.py": ["--clients", "2", "--requests", "1", "--tokens", "2", "--load", "ckpt"],
     "documents.py": ["--seq", "256", "--steps", "1", "--warmup", "0"],
+    "document_balance.py": ["--seq", "1024", "--cp", "2", "4", "--samples", "1"],
     "published_runs.py": ["--only", "mb-25.11"],  # the model only; the whole set is tests/unit/test_published_runs.py
 }
 # A real training launch that fits runs this many steps, evaluating and saving once.

@@ -105,13 +105,6 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
                     continue
                 methods = ["ring"] if cp == 1 or kind.saves == "transformer-engine" else \
                     ["ring", "all_gather"] + (["a2a"] if (model.heads // tp) % cp == 0 else [])
-                if cp > 1 and work.document_length and kind.name == "dtmega":
-                    # dtmega masks documents under all-to-all CP only (passes/document_masking.py)
-                    methods = [m for m in methods if m == "a2a"]
-                    if not methods:
-                        result.reject("packed documents need all-to-all CP, whose heads per TP rank CP must divide",
-                                      f"TP{tp} CP{cp}, {model.heads} heads")
-                        continue
                 for ep in [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1]:
                     for mode, shard in _data_modes(dp, cp, tp, ep, gpus_per_node, kind):
                         for mb in [m for m in (1, 2, 4, 8, 16, 32) if m <= max_micro_batch and

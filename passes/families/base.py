@@ -79,6 +79,9 @@ class ModelFamily:
     # The model masks packed documents by itself when its position ids restart per document
     # (transformers >= 4.53 finds packed sequences in position_ids); used where document_kwarg is None.
     documents_by_positions: bool = False
+    # For a family whose own attention cores take no document ids: makes the core DocumentMasking
+    # installs at `attention_core` (given the backend), which reads the ids `document_kwarg` passes.
+    document_core: Callable[[str], nn.Module] | None = None
     # Installs a token dispatcher (dtmega.kernels.moe_dispatch) into one MoE module: how expert
     # parallelism reaches the family's MoE code without editing it. None: no MoE support.
     install_dispatcher: Callable[[nn.Module, object], None] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtmega.kernels.document_attention import DocumentAttentionCore
 from dtmega.passes.families.base import (
     ModelFacts,
     ModelFamily,
@@ -37,7 +38,10 @@ def _describe(model: nn.Module) -> ModelFacts:
     )
 
 
-def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    if document_ids is not None:  # DocumentMasking's cores (or context-parallel ones) read the ids
+        return model(tokens, position_ids, document_ids)
     masks = None
     inner = type(model.config.first_attention.inner_attention).__qualname__
     if inner.startswith(("FlexAttention", "VarlenAttention")):
@@ -72,5 +76,7 @@ TORCHTITAN_LLAMA3 = register_family(
         logits=_logits,
         attention_core="attention.inner_attention",
         position_kwarg="positions",
+        document_kwarg="attention_masks",
+        document_core=DocumentAttentionCore,
     )
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtmega.kernels.document_attention import DocumentAttentionCore
 from dtmega.passes.families.base import (
     ModelFacts,
     ModelFamily,
@@ -88,6 +89,8 @@ TORCHTITAN_MOE = register_family(
         logits=_logits,
         attention_core="attention.inner_attention",
         position_kwarg="positions",
+        document_kwarg="attention_masks",
+        document_core=DocumentAttentionCore,
         install_dispatcher=_install_dispatcher,
     )
 )

@@ -2,9 +2,10 @@
 of unequal lengths (one of a single token, one exactly the sample length) gives, under each plan
 with DocumentMasking, the per-token losses and every gradient of running each document alone
 through the unsharded model (fp32: the suite's 1e-5 relative tolerances, tests/helpers.py), and
-five AdamW steps keep them equal. Context parallelism: all-to-all (each rank attends the whole
-sequence for its heads); ring and all-gather are refused before launch. The reference never
-sees a mask: it is the plain model on each document by itself, positions from 0."""
+five AdamW steps keep them equal. Context parallelism with each method: all-to-all (each rank
+attends the whole sequence for its heads), ring and all-gather (tokens dealt to the ranks by
+document work, blocks attended only where they share a document). The reference never sees a
+mask: it is the plain model on each document by itself, positions from 0."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dtmega.passes import (
     SequenceParallel,
     TensorParallel,
 )
+from dtmega.passes.context_parallel import SequenceSharding
 from tests.helpers import (
     GRAD_RTOL,
     LOSS_RTOL,
@@ -40,7 +42,7 @@ from tests.helpers import (
     full,
     relative_error,
 )
-from tests.interop_models import hf_tiny_llama
+from tests.interop_models import hf_tiny_llama, torchtitan_debug_llama
 
 SEQ = 32
 # document lengths per sample: a one-token document, a sample that is one document, and mixes
@@ -62,6 +64,9 @@ PLANS = {
     "cp2_a2a": (dict(cp=2), [ContextParallel(method="a2a"), DocumentMasking(), DataParallel("fsdp")]),
     "cp2_a2a_tp2": (dict(cp=2, tp=2), [TensorParallel(), SequenceParallel(), DocumentMasking(),
                                        ContextParallel(method="a2a"), DataParallel("fsdp")]),
+    "cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DocumentMasking(), DataParallel("fsdp")]),
+    "cp2_all_gather_tp2": (dict(cp=2, tp=2), [TensorParallel(), SequenceParallel(), DocumentMasking(),
+                                              ContextParallel(method="all_gather"), DataParallel("fsdp")]),
 }
 
 
@@ -156,10 +161,42 @@ def test_hugging_face_llama_masks_packed_documents_by_restarting_positions(name)
             document_ids=batch["document_ids"])))
 
 
+TORCHTITAN_PLANS = {
+    "tt_one_rank": (dict(), [DocumentMasking()]),
+    "tt_tp2_sp_cp2_ring": (dict(tp=2, cp=2), [TensorParallel(), SequenceParallel(), DocumentMasking(),
+                                              ContextParallel(method="ring"), DataParallel("fsdp")]),
+    "tt_pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DocumentMasking(), DataParallel("ddp")]),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCHTITAN_PLANS))
+def test_torchtitan_llama_masks_packed_documents_through_its_family(name):
+    """torchtitan's Llama, unedited: the pass puts dtmega's document core where its inner
+    attention was (context parallelism's core reads the ids itself), the family passes the ids
+    as torchtitan's attention_masks and the restarting positions to its RoPE."""
+    sizes, passes = TORCHTITAN_PLANS[name]
+    reference = torchtitan_debug_llama(seed=14)
+    pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(**sizes), dtmega.Plan(passes))
+    train_against_each_document_alone(pm, reference, lambda tokens: reference(tokens), 2048, steps=2)
+
+
 @pytest.mark.parametrize("method", ["ring", "all_gather"])
-def test_document_masking_under_blockwise_context_parallelism_is_refused_before_launch(method):
-    _, meta_copy = build_dtmega_llama(debug_llama(), seed=32)
-    with pytest.raises(PlanError, match=rf"document masking under {method} context parallelism \(cp=2\) is not built "
-                                        r"yet.*Fix: ContextParallel\(method='a2a'\)"):
-        dtmega.parallelize(meta_copy(), first_copy_mesh(cp=2), dtmega.Plan([ContextParallel(method=method),
-                                                                           DocumentMasking(), DataParallel("fsdp")]))
+def test_blockwise_context_parallelism_deals_documents_and_skips_masked_blocks(method):
+    """CP4 on samples of short documents: the tokens are dealt by document work, the logits equal
+    each document alone, and blocks of keys sharing no document with the queries are skipped."""
+    config = debug_llama()
+    reference, meta_copy = build_dtmega_llama(config, seed=33)
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(cp=4), dtmega.Plan([
+        ContextParallel(method=method, load_balance=None), DocumentMasking(), DataParallel("ddp")]))
+    pm.init_weights(seed=33)
+    assert pm.hook(SequenceSharding).by_documents
+    tokens = torch.randint(0, config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    documents = dtmega.document_ids_from_lengths([[4] * 8], SEQ)
+    stats = pm.hook(SequenceSharding).comm
+    with torch.no_grad():
+        logits = full(pm(tokens, document_ids=documents))
+        expected = torch.cat([reference(tokens[:, s:s + 4]) for s in range(0, SEQ, 4)], dim=1)
+    assert relative_error(logits, expected) < LOSS_RTOL
+    # contiguous shards of 4-token documents: each rank's queries see only its own keys
+    layers = config.n_layers
+    assert (stats.blocks_attended, stats.blocks_skipped) == (layers, 3 * layers)

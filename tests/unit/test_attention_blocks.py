@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtmega.kernels.attention_blocks import block_attention, block_attention_backward
+from dtmega.kernels.attention_blocks import block_attention, block_attention_backward, visible_block
 from dtmega.kernels.context_shards import token_indices
-from dtmega.kernels.ring_attention import visible_block
 from tests.helpers import relative_error
 
 

@@ -7,6 +7,8 @@ document by itself compute the same softmax over the same keys, summed in anothe
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from dtmega.kernels.document_attention import (
     document_attention,
     document_block_mask,
     document_mask,
+    flex_document_attention,
     positions_from_documents,
 )
 from dtmega.passes import DocumentMasking, PlanError
@@ -149,6 +152,35 @@ def test_the_cpu_training_path_keeps_no_sequence_by_sequence_tensor_at_8192():
     assert visited < 0.6 * causal, (visited, causal)
 
 
+
+def test_flexattentions_training_path_saves_no_sequence_by_sequence_tensor_at_8192(monkeypatch):
+    """Must-show 3 for FlexAttention itself: the autograd path CUDA trains with (FlexAttention's
+    own autograd function, which the compiled kernel saves the same tensors for) traced at S =
+    8192 on the meta device, since torch refuses CPU inputs that require grad. Everything saved
+    is q, k, v, the output, the log-sum-exp and max rows, the BlockMask's (S/128)-sized index
+    tables and the ids: nothing of S x S, and the backward runs through."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    seq = 8192
+    ids = dtmega.document_ids_from_lengths([[1000, 3000, 192, 4000]], seq)
+    block_mask = document_block_mask(ids).to("meta")
+    on_meta = ids.to("meta")
+    block_mask.mask_mod = lambda b, h, q_idx, kv_idx: (on_meta[b, q_idx] == on_meta[b, kv_idx]) & (kv_idx <= q_idx)
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)  # meta is not a device it lists
+    q, k, v = (torch.randn(1, 4, seq, 64, device="meta", requires_grad=True) for _ in range(3))
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = flex_document_attention(q, k, v, block_mask, compiled=False)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and (1, 4, seq, 64) in shapes and len(shapes) >= 5
+    assert max(math.prod(shape) for shape in shapes) == 4 * seq * 64, shapes
+    assert not any(shape.count(seq) >= 2 for shape in shapes), shapes
+
 def test_bad_document_ids_and_positions_beyond_the_model_are_refused():
     tokens = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(dtmega.DtmegaError, match=r"document_ids has shape \[2, 3\] but the tokens \[2, 4\]"):
@@ -164,10 +196,10 @@ def test_bad_document_ids_and_positions_beyond_the_model_are_refused():
 
 
 def test_a_family_without_document_ids_is_refused_by_the_pass():
-    from tests.interop_models import torchtitan_debug_llama
+    from tests.interop_models import hf_tiny_mixtral
 
     with pytest.raises(PlanError, match="document masking needs a model whose forward takes document ids"):
-        dtmega.check_plan(torchtitan_debug_llama(), {}, dtmega.Plan([DocumentMasking()]))
+        dtmega.check_plan(hf_tiny_mixtral(), {}, dtmega.Plan([DocumentMasking()]))
 
 
 def test_megatrons_flags_make_document_ids_at_each_end_of_document():
@@ -192,8 +224,8 @@ def test_dtmega_train_with_reset_attention_mask_trains_within_documents(tmp_path
 
 def test_the_planner_counts_the_attention_work_document_masking_does():
     """Issue item 6: with packed documents of mean length L masked per document, attention costs
-    L/S of causal attention over the sample; dtmega's CP plans are then all-to-all only (the one
-    context-parallel method with document masks), and the flags ask for --reset-attention-mask."""
+    L/S of causal attention over the sample, under each context-parallel method (ring's transfers
+    then hide under far less attention), and the flags ask for --reset-attention-mask."""
     from dtmega.cost.hardware import BUILT_IN
     from dtmega.cost.plan_cli import model_shape_for
     from dtmega.cost.plan_flags import train_options
@@ -202,8 +234,11 @@ def test_the_planner_counts_the_attention_work_document_masking_does():
     model, hardware = model_shape_for("llama3-8b"), BUILT_IN["h100"]
     causal = search(model, 8, 8, RunWorkload(65536, 8), hardware, max_micro_batch=1)
     packed = search(model, 8, 8, RunWorkload(65536, 8, document_length=1024), hardware, max_micro_batch=1)
-    assert {c.plan.cp_method for c in packed.ranked if c.plan.cp > 1} == {"a2a"}
-    assert {"ring", "all_gather"} <= {c.plan.cp_method for c in causal.ranked if c.plan.cp > 1}
+    for result in (causal, packed):
+        assert {"ring", "all_gather", "a2a"} <= {c.plan.cp_method for c in result.ranked if c.plan.cp > 1}
+    ring = [next(c for c in r.ranked if (c.plan.tp, c.plan.cp, c.plan.cp_method, c.plan.recompute) ==
+                 (1, 8, "ring", "none")) for r in (causal, packed)]
+    assert ring[1].step_s < ring[0].step_s
     same = next(c for c in causal.ranked if (c.plan.tp, c.plan.cp, c.plan.cp_method) == (1, 8, "a2a")
                 and c.plan.recompute == "none")
     masked = next(c for c in packed.ranked if (c.plan.tp, c.plan.cp) == (1, 8) and c.plan.recompute == "none")
@@ -213,15 +248,45 @@ def test_the_planner_counts_the_attention_work_document_masking_does():
         "reset_attention_mask"] is True
 
 
-def test_a_launch_line_with_documents_under_ring_context_parallelism_is_refused_by_a_dry_run(tmp_path, capsys):
-    """--reset-attention-mask with --context-parallel-size 2 and Megatron's default --cp-comm-type
-    p2p (ring): one line naming the fix, before any process group; with a2a the plan checks."""
+def test_a_launch_line_with_documents_plans_every_context_parallel_method(tmp_path, capsys):
+    """--reset-attention-mask with --context-parallel-size 2 and each --cp-comm-type (Megatron's
+    default p2p is ring): the dry run plans document masking under it."""
     from dtmega.cli import main
 
     corpus = prepare_corpus(tmp_path, documents=60)
     line = tiny_args(corpus, reset_attention_mask=True, context_parallel_size=2)
-    assert main(["train", *line, "--dry-run", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "document masking under ring context parallelism (--context-parallel-size 2) is not built yet" in err
-    assert "ContextParallel(method='a2a') (--cp-comm-type a2a)" in err
-    assert main(["train", *line, "--cp-comm-type", "a2a", "--dry-run", "2"]) == 0
+    for method in ("p2p", "all_gather", "a2a"):
+        assert main(["train", *line, "--cp-comm-type", method, "--dry-run", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "DocumentMasking" in out and "attention.context_parallel." in out
+
+
+def _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                      enable_gqa=False, is_causal=None):
+    """torch's varlen_attn contract, computed per segment on CPU (the flash kernel is CUDA-only)."""
+    causal = window_size == (-1, 0) if is_causal is None else is_causal
+    bounds = cu_seq_q.tolist()
+    assert bounds == cu_seq_k.tolist() and max_q == max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=causal,
+        scale=scale, enable_gqa=enable_gqa).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def _old_reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+    """The signature of torch releases before window_size (e.g. the GPU machines' 2.11)."""
+    return _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", [_reference_varlen, _old_reference_varlen], ids=["window_size", "is_causal"])
+def test_the_cuda_varlen_flash_call_packs_documents_into_cumulative_lengths(kernel):
+    """The plumbing of the CUDA path (cumulative lengths across rows, causal spelled for the
+    torch at hand, GQA passed or repeated) against per-document SDPA, with torch's kernel
+    replaced by its contract computed on CPU."""
+    from dtmega.kernels.document_attention import flash_varlen_document_attention, varlen_document_attention
+
+    generator = torch.Generator().manual_seed(4)
+    ids = dtmega.document_ids_from_lengths([[1, 9, 22], [32], [5, 27]], 32)
+    q = torch.randn(3, 32, 4, 8, generator=generator)
+    k, v = (torch.randn(3, 32, 2, 8, generator=generator) for _ in range(2))
+    got = flash_varlen_document_attention(q, k, v, ids, 0.3, varlen_attn=kernel)
+    assert relative_error(got, varlen_document_attention(q, k, v, ids, 0.3)) <= 1e-6

@@ -52,7 +52,7 @@ train: $(DEMO)/data/kjv_text_document.idx
 # (tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
 # unfinished tests rerun once; docs/testing.md).
 test: lint
-	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=30
 	$(PY) tests/distributed_session.py
 
 # ruff with the repository's configuration (pyproject.toml [tool.ruff]); the layering test is in tests/unit.

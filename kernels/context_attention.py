@@ -146,6 +146,12 @@ def context_parallel_attention(
     seq_len = q.shape[1] * world
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if method in ("ring", "all_gather"):
+        if v.shape[-1] != k.shape[-1]:  # MLA: values narrower than queries/keys travel padded with keys
+            width = v.shape[-1]
+            padded = F.pad(v, (0, k.shape[-1] - width))
+            return context_parallel_attention(q, k, padded, group=group, method=method, zigzag=zigzag, causal=causal,
+                                              scale=scale, stats=stats, fused=fused, documents=documents,
+                                              document_backend=document_backend)[..., :width]
         if documents is not None:
             blocks = sharded_document_blocks(documents, group, zigzag)
         else:

@@ -33,7 +33,7 @@ def _session(crash_dir: Path, env: dict[str, str], skip_finished: Path | None) -
         env["DTMEGA_TEST_SKIP_FINISHED"] = str(skip_finished)
     command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(RANKS),
                "--local-ranks-filter", "0", "-m", "pytest", "tests/distributed", "-q", "-p", "no:cacheprovider",
-               "--durations=15"]
+               "--durations=30"]
     return subprocess.run(command, cwd=ROOT, env=env).returncode
 
 

@@ -8,7 +8,8 @@ from dtmega.kernels.errors import DtmegaError
 
 
 class LayerCache:
-    """One block's keys and values, [B, max_len, kv_heads, head_dim], filled front to back.
+    """One block's keys and values, [B, max_len, kv_heads, head_dim] (or whatever a block caches
+    per position: MLA's latent and rotary key), filled front to back.
 
     Allocated on first use with the shapes the block produces, so under tensor parallelism
     each rank caches only its own heads.
@@ -24,9 +25,9 @@ class LayerCache:
         start, length = self.owner.length, k.shape[1]
         if start + length > self.owner.max_len:
             raise DtmegaError(f"KV cache holds {self.owner.max_len} positions; {start + length} were asked for")
-        if self.keys is None:
-            shape = (k.shape[0], self.owner.max_len, *k.shape[2:])
-            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
+        if self.keys is None:  # each its own shape: MLA caches a latent and a rotary key here
+            self.keys = k.new_zeros((k.shape[0], self.owner.max_len, *k.shape[2:]))
+            self.values = v.new_zeros((v.shape[0], self.owner.max_len, *v.shape[2:]))
         self.keys[:, start:start + length] = k
         self.values[:, start:start + length] = v
         return self.keys[:, :start + length], self.values[:, :start + length]

@@ -23,6 +23,9 @@ class MoEConfig:
     sequence (`seq_aux_loss`), times `aux_loss_coeff`; `z_loss_coeff` for the router z-loss; and
     `expert_bias` for DeepSeek-V3's auxiliary-loss-free balancing (a per-expert bias added to
     the scores only to choose experts, moved by `bias_update_rate` towards balance each step).
+    Group-limited routing (DeepSeek-V3, `num_groups` and `group_topk`): the experts form
+    `num_groups` equal runs; each token ranks the groups by the sum of its two best scores in
+    each (DeepSeek's reference code) and takes its top_k experts from its best `group_topk` groups.
     Dropless unless `capacity_factor` is set: then each expert takes at most
     ceil(capacity_factor * seq_len * top_k / num_experts) tokens of each sequence, keeping the
     highest router weights (`token_drop_policy="probs"`) or the earliest tokens ("position").
@@ -45,6 +48,8 @@ class MoEConfig:
     capacity_factor: float | None = None
     token_drop_policy: str = "probs"
     grouped_gemm: bool = True
+    num_groups: int | None = None  # --moe-router-num-groups: experts in equal consecutive groups
+    group_topk: int | None = None  # --moe-router-group-topk: a token's experts come from its best groups
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,8 +74,31 @@ class MoEConfig:
             )
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0 or self.bias_update_rate < 0:
             problems.append("aux_loss_coeff, z_loss_coeff and bias_update_rate must be >= 0")
+        problems += self._group_problems()
         if problems:
             raise DtmegaError("invalid MoEConfig: " + "; ".join(problems))
+
+    def _group_problems(self) -> list[str]:
+        if self.num_groups is None and self.group_topk is None:
+            return []
+        if self.num_groups is None or self.group_topk is None:
+            return ["group-limited routing needs both num_groups (--moe-router-num-groups) and group_topk "
+                    "(--moe-router-group-topk)"]
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            return [f"num_experts={self.num_experts} is not divisible by num_groups={self.num_groups} (groups are "
+                    "equal runs of consecutive experts)"]
+        if not 1 <= self.group_topk <= self.num_groups:
+            return [f"group_topk={self.group_topk} must be between 1 and num_groups={self.num_groups} (a token "
+                    "cannot pick more groups than exist)"]
+        if self.group_topk * (self.num_experts // self.num_groups) < self.top_k:
+            return [f"group_topk={self.group_topk} groups of {self.num_experts // self.num_groups} experts hold fewer "
+                    f"than top_k={self.top_k} experts"]
+        return []
+
+    @property
+    def experts_per_group(self) -> int:
+        """Experts in one routing group (all of them without group-limited routing)."""
+        return self.num_experts // (self.num_groups or 1)
 
     def is_moe_layer(self, index: int) -> bool:
         """Megatron's --moe-layer-freq after the first dense layers: layer i is MoE when

@@ -78,6 +78,8 @@ class Router(nn.Module):
         choice = raw.detach()
         if c.expert_bias:
             choice = choice + self.expert_bias
+        if c.num_groups is not None:
+            choice = limit_to_best_groups(choice, c.num_groups, c.group_topk)
         ids = torch.topk(choice, c.top_k, dim=-1).indices
         if c.score_func == "sigmoid":
             probs = raw.gather(1, ids)
@@ -113,6 +115,17 @@ class Router(nn.Module):
         lower it for over-loaded ones by `bias_update_rate` (from the whole step's counts)."""
         offset = tokens_per_expert.mean() - tokens_per_expert
         self.expert_bias += torch.sign(offset) * self.config.bias_update_rate
+
+
+def limit_to_best_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """`choice` [T, E] with every expert outside each token's best `group_topk` groups set to
+    -inf; a group's score is the sum of its two best choice scores (one for one-expert groups)."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(group_topk, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def balancing_loss(routing: Routing, config: MoEConfig, batch: int, seq: int, groups: TokenGroups) -> torch.Tensor | None:

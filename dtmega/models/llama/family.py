@@ -25,7 +25,11 @@ def _recomputed_core(module: nn.Module):
         # decoding with a KV cache: nothing to recompute
         if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
             return forward(q, k, v, q_offset=q_offset)
-        return recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        width = v.shape[-1]
+        if width != q.shape[-1]:  # MLA's narrower values: zero-padded to the fused kernel's one head size
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+        out = recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        return out[..., :width]
 
     return recomputed
 

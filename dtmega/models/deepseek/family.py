@@ -1,0 +1,85 @@
+"""dtmega's DeepSeek-V3 as a model family: its rule sets and shape facts.
+
+Tensor parallelism splits MLA by heads: the per-head up-projections (`wq_b` or `wq`, `wkv_b`)
+column-wise, the output projection row-wise; the latent down-projections (`wq_a`, `wkv_a`) and
+their norms stay whole on every rank, as Megatron-Core's MLA does, and the rotary key every
+head reads has its per-rank partial gradients summed (`rotary_key`, tp_style.py). The mixture of experts is
+the Llama family's (experts on their hidden dim under TP, the router replicated); expert,
+context and pipeline parallelism, recompute and document masking reach the blocks by the same
+names as in the Llama.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import dtmega.models.deepseek.tp_style  # noqa: F401  (registers the "shared_across_heads" style)
+from dtmega.models.deepseek.model import DeepSeek
+from dtmega.models.llama.family import _install_dispatcher, _runtime_hooks
+from dtmega.models.moe import moe_layers
+from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
+from dtmega.passes.rules import Rule
+
+
+def _describe(model: DeepSeek) -> ModelFacts:
+    c = model.config
+    layers = tuple(name for name, _ in moe_layers(model))
+    moe = None
+    if layers:
+        moe = MoEFacts(
+            layers=layers, num_experts=c.moe.num_experts, top_k=c.moe.top_k, router="router", experts="experts",
+            expert_params=("w1", "w2", "w3"), shared_experts="shared_experts" if c.moe.shared_expert_ffn_dim else None,
+            capacity_factor=c.moe.capacity_factor,
+        )
+    return ModelFacts(
+        family="dtmega-deepseek", n_heads=c.n_heads, n_kv_heads=c.n_heads, vocab_size=c.vocab_size, dim=c.dim,
+        ffn_dim=c.ffn_dim, blocks=tuple(f"layers.{name}" for name in model.layers), embedding="tok_embeddings",
+        output="output", final_norm="norm", tied_embeddings=c.tie_embeddings, moe=moe, max_positions=c.max_seq_len,
+    )
+
+
+def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    if document_ids is not None:
+        return model(tokens, position_ids, document_ids=document_ids)
+    return model(tokens, position_ids)
+
+
+DTMEGA_DEEPSEEK = register_family(
+    ModelFamily(
+        name="dtmega-deepseek",
+        matches=lambda model: isinstance(model, DeepSeek),
+        describe=_describe,
+        tp_rules=(
+            Rule("tok_embeddings", "embedding"),
+            Rule("layers.*.attention.wq", "colwise"),
+            Rule("layers.*.attention.wq_b", "colwise"),
+            Rule("layers.*.attention.wkv_b", "colwise"),
+            Rule("layers.*.attention.wo", "rowwise"),
+            Rule("layers.*.attention.rotary_key", "shared_across_heads"),
+            Rule("layers.*.feed_forward.w1", "colwise"),
+            Rule("layers.*.feed_forward.w3", "colwise"),
+            Rule("layers.*.feed_forward.w2", "rowwise"),
+            Rule("layers.*.feed_forward", "moe", module_type="MoE"),
+            Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+            Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
+            Rule("output", "output"),
+        ),
+        sp_rules=(
+            Rule("layers.*.attention_norm", "sequence_norm"),
+            Rule("layers.*.ffn_norm", "sequence_norm"),
+            Rule("norm", "sequence_norm"),
+            Rule("layers.*.attention", "gather_input", options={"args": 2}),
+            Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
+        ),
+        logits=_logits,
+        attention_core="attention.core",
+        document_kwarg="document_ids",
+        install_dispatcher=_install_dispatcher,
+        moe_tensor_parallel=True,
+        runtime_hooks=_runtime_hooks,
+    )
+)

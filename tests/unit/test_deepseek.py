@@ -1,0 +1,151 @@
+"""dtmega's DeepSeek-V3 family against transformers' DeepseekV3ForCausalLM (the ground truth):
+a tiny random config with every feature on (low-rank queries, YaRN RoPE with mscale, groups,
+shared experts, a dense first block), weights moved by the family's name map; logits equal in
+fp32 (1e-5 relative: same math, different summation order) and greedy generation
+token-identical with and without the latent KV cache, whose bytes per token are the closed
+form. Also the routing rules and the named sizes' parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtmega.models.deepseek import DeepSeek, DeepSeekConfig
+from dtmega.models.deepseek.hf_config import deepseek_config_from_hf, hf_config_from_deepseek
+from dtmega.models.deepseek.hf_names import dtmega_state_from_hf, hf_state_from_dtmega
+from dtmega.models.kv_cache import KVCache
+from dtmega.models.moe_config import MoEConfig
+from dtmega.models.router import limit_to_best_groups
+from dtmega.train.generate import generate_tokens
+from tests.helpers import relative_error
+
+
+def tiny_hf_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    settings = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4,
+        topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=256, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 0.8},
+    )
+    settings.update(overrides)
+    return DeepseekV3Config(**settings)
+
+
+def hf_and_dtmega(seed: int = 0, **overrides):
+    """transformers' model with random weights (and a nonzero expert bias) and dtmega's with the
+    same weights, both fp32 in eval mode."""
+    from transformers import DeepseekV3ForCausalLM
+
+    hf_config = tiny_hf_config(**overrides)
+    torch.manual_seed(seed)
+    hf = DeepseekV3ForCausalLM(hf_config).float().eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            tensor.normal_(0, 0.02 if tensor.ndim > 1 else 0.2).add_(1.0 if tensor.ndim == 1 else 0.0)
+        for module in hf.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    config = deepseek_config_from_hf(hf_config.to_dict())
+    ours = DeepSeek(config)
+    state = dtmega_state_from_hf(hf.state_dict(), config, rope_interleave=hf_config.rope_interleave)
+    ours.load_state_dict(state, strict=True)
+    return hf, ours.eval(), config
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["rope_interleave", "rope_half_split"])
+def test_logits_equal_transformers_deepseek_v3(interleave):
+    hf, ours, config = hf_and_dtmega(rope_interleave=interleave)
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, use_cache=False).logits
+        got = ours(tokens)
+    assert relative_error(got, expected) <= 1e-5
+    assert config.yarn is not None and config.moe.num_groups == 4 and config.q_lora_rank == 24
+
+
+def test_greedy_generation_is_token_identical_with_and_without_the_latent_cache():
+    hf, ours, config = hf_and_dtmega(seed=3)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2)).tolist()[0]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        cached = generate_tokens(ours, prompt, vocab_size=128, eod=None, max_new_tokens=12, temperature=0.0).ids
+        tokens = list(prompt)
+        for _ in range(12):  # no cache: the whole sequence every step
+            tokens.append(int(ours(torch.tensor([tokens]))[0, -1].argmax()))
+    assert cached == expected == tokens[len(prompt):]
+    cache = KVCache(16)
+    with torch.no_grad():
+        ours(torch.tensor([prompt]), cache=cache)
+    layer = cache.layers["0"]
+    per_token = (layer.keys[0, 0].numel() + layer.values[0, 0].numel()) * layer.keys.element_size()
+    assert per_token == config.kv_cache_bytes_per_token(bytes_per_value=4) == (16 + 8) * 4
+    assert config.mha_cache_bytes_per_token(4) == 4 * (24 + 12) * 4  # 6x more for this tiny model
+
+
+def test_export_to_transformers_round_trips():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf, ours, config = hf_and_dtmega(seed=5)
+    exported = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config_from_deepseek(config))).float().eval()
+    missing, unexpected = exported.load_state_dict(_fused(hf_state_from_dtmega(ours.state_dict(), config), config),
+                                                   strict=False)
+    assert not unexpected and all("rotary_emb" in name for name in missing), (missing, unexpected)
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert relative_error(exported(input_ids=tokens).logits, hf(input_ids=tokens).logits) <= 1e-6
+
+
+def _fused(state: dict, config: DeepSeekConfig) -> dict:
+    """The per-expert checkpoint layout as transformers holds experts in memory."""
+    out = {}
+    for name, tensor in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        if f"{p}0.gate_proj.weight" in state:
+            experts = range(config.moe.num_experts)
+            gate = torch.stack([state[f"{p}{e}.gate_proj.weight"] for e in experts])
+            up = torch.stack([state[f"{p}{e}.up_proj.weight"] for e in experts])
+            out[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+            out[p + "down_proj"] = torch.stack([state[f"{p}{e}.down_proj.weight"] for e in experts])
+    return out
+
+
+def test_group_limited_routing_picks_experts_from_the_best_groups_only():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(64, 16, generator=generator)
+    limited = limit_to_best_groups(scores, num_groups=4, group_topk=2)
+    chosen = limited.topk(4, dim=-1).indices
+    groups = chosen // 4
+    assert all(len(set(row)) <= 2 for row in groups.tolist())
+    best_pairs = scores.view(64, 4, 4).topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices.sort().values
+    assert torch.equal(torch.isfinite(limited).view(64, 4, 4).any(-1).nonzero()[:, 1].view(64, 2), best_pairs)
+
+
+def test_bad_group_settings_are_refused_naming_the_fix():
+    with pytest.raises(Exception, match="group_topk=5 must be between 1 and num_groups=4"):
+        MoEConfig(num_experts=8, top_k=2, num_groups=4, group_topk=5)
+    with pytest.raises(Exception, match="num_experts=8 is not divisible by num_groups=3"):
+        MoEConfig(num_experts=8, top_k=2, num_groups=3, group_topk=1)
+    with pytest.raises(Exception, match="needs both num_groups"):
+        MoEConfig(num_experts=8, top_k=2, num_groups=4)
+
+
+def test_named_sizes_have_the_published_parameter_counts():
+    """DeepSeek-V3: 671 B parameters, 37 B activated per token (without its MTP module, as
+    published); DeepSeek-V2-Lite: 15.7 B, 2.4 B activated. Counted from the shapes, and for the
+    debug size also from the built model."""
+    v3, lite, debug = (DeepSeekConfig.from_name(n) for n in ("deepseek-v3", "deepseek-v2-lite", "deepseek-debug"))
+    assert round(v3.num_params() / 1e9) == 671 and round(v3.num_activated_params() / 1e9) == 37
+    assert round(lite.num_params() / 1e8) == 157 and int(lite.num_activated_params() / 1e8) == 24
+    model = DeepSeek(debug)
+    assert sum(p.numel() for p in model.parameters()) == debug.num_params()
+    assert v3.kv_cache_bytes_per_token() == (512 + 64) * 2 and v3.mha_cache_bytes_per_token() == 128 * 320 * 2

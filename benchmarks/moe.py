@@ -1,7 +1,13 @@
 """Mixture of experts: token-dispatch bytes per step vs the analytic volume, tokens/s and memory
-per rank, for EP 1, 2, 4 and both dispatchers.
+per rank, for EP 1, 2, 4, each dispatcher and routing.
 
     python benchmarks/moe.py                  # table + benchmarks/results/moe.json
+
+Routing "topk" is plain top-2; "grouped" is DeepSeek-V3's group-limited routing with the 8
+experts in 4 groups and each token's 2 experts from its best group (`num_groups=4,
+group_topk=1`): under EP4 a group is a rank, so a token's experts lie on one rank. The flex
+dispatcher sends a token once per rank it needs (not once per expert), so its bytes fall with
+the groups; its analytic column is that bound (even routing), not an expectation.
 
 For each EP size (a torchrun job of EP ranks, each with its own sequences: EP borrows
 data-parallel ranks) and dispatcher, training steps of a 4-block MoE Llama (8 experts, top-2).
@@ -36,18 +42,25 @@ from dtmega.printing import console  # noqa: E402
 DIM, LAYERS, HEADS, EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 256, 4, 8, 8, 2, 512, 512
 
 
-def analytic_bytes(dispatcher: str, ep: int, tokens: int, element: int = 4) -> int:
-    """Bytes one rank sends per step for token dispatch in all MoE layers, routing even."""
+GROUPS, GROUP_TOPK = 4, 1  # the "grouped" routing
+
+
+def analytic_bytes(dispatcher: str, ep: int, tokens: int, routing: str = "topk", element: int = 4) -> int:
+    """Bytes one rank sends per step for token dispatch in all MoE layers, routing even (flex:
+    the bound of one row per token and rank, at most the ranks its groups allow)."""
     if ep == 1:
         return 0
-    if dispatcher == "alltoall":  # rows to remote experts, there and back, forward and backward
+    if dispatcher == "flex":
+        ranks = min(TOP_K, ep, GROUP_TOPK * max(1, ep // GROUPS)) if routing == "grouped" else min(TOP_K, ep)
+        per_layer = tokens * ranks * (ep - 1) // ep * (4 * DIM * element + TOP_K * (8 + 2 * element))
+    elif dispatcher == "alltoall":  # rows to remote experts, there and back, forward and backward
         per_layer = 4 * tokens * TOP_K * (ep - 1) // ep * DIM * element
     else:  # gather tokens (+ expert ids, int64, and weights), reduce-scatter outputs; and backward
         per_layer = (ep - 1) * tokens * (4 * DIM * element + TOP_K * (8 + 2 * element))
     return LAYERS * per_layer
 
 
-def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) -> None:
+def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path, routings: tuple = ("topk",)) -> None:
     import dtmega
     from dtmega.kernels import per_token_cross_entropy
     from dtmega.models import Llama, LlamaConfig
@@ -55,11 +68,13 @@ def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) 
     from dtmega.passes import DataParallel, ExpertParallel, Plan
 
     ep = dist.get_world_size()
-    config = LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, vocab_size=VOCAB, ffn_dim=4 * DIM,
-                         max_seq_len=seq, rope_scaling=None,
-                         moe=MoEConfig(num_experts=EXPERTS, top_k=TOP_K, ffn_dim=EXPERT_FFN, aux_loss_coeff=1e-2))
     rows = []
-    for dispatcher in (dispatchers if ep > 1 else ["local"]):
+    for routing, dispatcher in [(r, d) for r in routings for d in (dispatchers if ep > 1 else ["local"])]:
+        groups = dict(num_groups=GROUPS, group_topk=GROUP_TOPK) if routing == "grouped" else {}
+        config = LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, vocab_size=VOCAB,
+                             ffn_dim=4 * DIM, max_seq_len=seq, rope_scaling=None,
+                             moe=MoEConfig(num_experts=EXPERTS, top_k=TOP_K, ffn_dim=EXPERT_FFN, aux_loss_coeff=1e-2,
+                                           **groups))
         with torch.device("meta"):
             model = Llama(config)
         # DDP for the dense weights, so the memory column shows what EP alone saves.
@@ -87,12 +102,13 @@ def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) 
         load = pm.moe_stats()["expert_load"]
         busiest = max(max(layer) for layer in load.values()) * EXPERTS
         weights = pm.layout.local_bytes()  # parameters; + fp32 gradients + AdamW's two moments
-        rows.append({"ep": ep, "dispatcher": dispatcher, "seq": seq, "batch_per_rank": batch,
+        rows.append({"ep": ep, "dispatcher": dispatcher, "routing": routing, "seq": seq, "batch_per_rank": batch,
                      "tokens_per_s": ep * batch * seq / statistics.median(times[1:]),
                      "step_seconds": statistics.median(times[1:]), "weights_mib": weights / 2**20,
                      "weights_grads_adam_mib": 4 * weights / 2**20, "activation_mib": activation / 2**20,
                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                     "bytes_sent": statistics.mean(sent[1:]), "analytic_bytes": analytic_bytes(dispatcher, ep, batch * seq),
+                     "bytes_sent": statistics.mean(sent[1:]),
+                     "analytic_bytes": analytic_bytes(dispatcher, ep, batch * seq, routing),
                      "busiest_expert_share": busiest})
     everyone: list = [None] * ep
     dist.all_gather_object(everyone, rows)
@@ -106,7 +122,8 @@ def worker(seq: int, batch: int, dispatchers: list[str], steps: int, out: Path) 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"])
+    parser.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather", "flex"])
+    parser.add_argument("--routing", nargs="+", default=["topk", "grouped"], choices=("topk", "grouped"))
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=3)
@@ -114,22 +131,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_out:
-        run_worker(worker, args.seq, args.batch, args.dispatchers, args.steps, args.worker_out)
+        run_worker(worker, args.seq, args.batch, args.dispatchers, args.steps, args.worker_out, tuple(args.routing))
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for ep in args.ep:
         rows += run_on_ranks(__file__, ep, args.out.with_suffix(f".ep{ep}.json"), "--seq", str(args.seq),
-                             "--batch", str(args.batch), "--steps", str(args.steps), "--dispatchers", *args.dispatchers)
+                             "--batch", str(args.batch), "--steps", str(args.steps), "--dispatchers", *args.dispatchers,
+                             "--routing", *args.routing)
     result = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine(), "runs": rows}
     args.out.write_text(json.dumps(result, indent=2))
     table = Table(title=f"MoE, {LAYERS} blocks x width {DIM}, {EXPERTS} experts top-{TOP_K}, {args.batch} x {args.seq} "
                         "tokens per rank")
-    for column in ("ep", "dispatcher", "tokens/s", "weights+grads+Adam MiB/rank", "activations MiB", "peak RSS MiB",
+    for column in ("ep", "routing", "dispatcher", "tokens/s", "weights+grads+Adam MiB/rank", "activations MiB", "peak RSS MiB",
                    "MB sent/rank/step", "analytic MB", "ratio", "busiest expert"):
         table.add_column(column, justify="right")
     for row in rows:
         ratio = f"{row['bytes_sent'] / row['analytic_bytes']:.3f}" if row["analytic_bytes"] else "-"
-        table.add_row(str(row["ep"]), row["dispatcher"], f"{row['tokens_per_s']:,.0f}",
+        table.add_row(str(row["ep"]), row["routing"], row["dispatcher"], f"{row['tokens_per_s']:,.0f}",
                       f"{row['weights_grads_adam_mib']:.1f}", f"{row['activation_mib']:.1f}", f"{row['peak_rss_mib']:.0f}",
                       f"{row['bytes_sent'] / 1e6:.2f}", f"{row['analytic_bytes'] / 1e6:.2f}", ratio,
                       f"{row['busiest_expert_share']:.2f}x")

@@ -10,6 +10,11 @@ combines the expert outputs back into [T, D] (output = sum over kept k of probs 
   `all_to_all_single` with uneven splits (autograd-aware), router weights never leave home.
 - `AllGatherDispatcher`: every rank gathers all tokens of the group, computes its experts'
   share, and the weighted outputs are reduce-scattered home.
+- `FlexDispatcher` (Megatron's `--moe-token-dispatcher-type flex`, DeepEP's scheme): each token
+  travels once to each rank holding any of its experts (not once per expert), with the local
+  expert ids; the router weights follow in the combine, the rank sums its experts' weighted
+  outputs per token and sends one row back. Group-limited routing (a token's experts on at most
+  `group_topk` ranks) then bounds the bytes.
 
 All are plain PyTorch and torch.distributed (gloo and nccl alike). `CommStats` counts the
 bytes a rank sends for token movement, forward and backward.
@@ -26,7 +31,7 @@ from torch.distributed import _functional_collectives as funcol
 from dtmega.kernels.context_shards import CommStats
 from dtmega.kernels.precision import accumulation_dtype
 
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "flex")
 
 
 def sort_by_expert(ids: torch.Tensor, keep: torch.Tensor | None, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +125,65 @@ class AllToAllDispatcher(_GroupDispatcher):
         home = funcol.all_to_all_single(back, state.input_splits, state.output_splits, self.group)
         self._count(back, state.output_splits, state.input_splits, home)
         return weighted_sum(home, state.order, probs, state.top_k, state.tokens)
+
+    def _count(self, sent: torch.Tensor, splits: list[int], received_splits: list[int], received: torch.Tensor):
+        if self.stats is None:
+            return
+        self.stats.bytes_sent += (sum(splits) - splits[self.rank]) * sent.shape[1] * sent.element_size()
+        _count_backward(received, self.stats, sum(received_splits) - received_splits[self.rank])
+
+
+@dataclass
+class PairsDispatched:
+    """What `FlexDispatcher.combine` needs: the (token, rank) pairs sent, which of each token's
+    assignments went with each pair, and the received rows' expert order."""
+
+    order: torch.Tensor  # kept (received row, k) assignments, by local expert
+    received: int  # rows received
+    top_k: int
+    tokens: torch.Tensor  # [P] home token of each pair sent, by destination rank
+    assigned: torch.Tensor  # [P, K] which of the token's assignments the pair carries
+    home_tokens: int
+    input_splits: list[int]
+    output_splits: list[int]
+
+
+class FlexDispatcher(_GroupDispatcher):
+    """One row per (token, destination rank) each way; see the module docstring."""
+
+    def dispatch(self, x, ids, keep):
+        tokens, top_k = ids.shape
+        rank_of = ids // self.local_experts
+        valid = torch.ones_like(ids, dtype=torch.bool) if keep is None else keep
+        pairs = torch.zeros(tokens, self.world, dtype=torch.bool, device=ids.device)
+        token_of = torch.arange(tokens, device=ids.device)[:, None].expand(tokens, top_k)
+        pairs[token_of[valid], rank_of[valid]] = True
+        send_rank, send_token = pairs.t().nonzero(as_tuple=True)  # by destination rank, then token
+        assigned = (rank_of[send_token] == send_rank[:, None]) & valid[send_token]
+        local_ids = torch.where(assigned, ids[send_token] - send_rank[:, None] * self.local_experts, -1)
+        input_splits = pairs.sum(0).tolist()
+        received = torch.empty(self.world, dtype=torch.long, device=ids.device)
+        dist.all_to_all_single(received, torch.tensor(input_splits, device=ids.device), group=self.group)
+        output_splits = received.tolist()
+        moved = funcol.all_to_all_single(x[send_token].contiguous(), output_splits, input_splits, self.group)
+        self._count(x, input_splits, output_splits, moved)
+        moved_ids = local_ids.new_empty((sum(output_splits), top_k))
+        dist.all_to_all_single(moved_ids, local_ids.contiguous(), output_splits, input_splits, group=self.group)
+        if self.stats is not None:
+            self.stats.add(local_ids[:0].new_empty((sum(input_splits) - input_splits[self.rank], top_k)))
+        order, counts = sort_by_expert(moved_ids.clamp(min=0), moved_ids >= 0, self.local_experts)
+        state = PairsDispatched(order, moved.shape[0], top_k, send_token, assigned, tokens, input_splits, output_splits)
+        return moved[order // top_k], counts, state
+
+    def combine(self, rows, probs, state):
+        weights = torch.where(state.assigned, probs[state.tokens], 0.0)
+        moved_weights = funcol.all_to_all_single(weights.contiguous(), state.output_splits, state.input_splits,
+                                                 self.group)
+        self._count(weights, state.input_splits, state.output_splits, moved_weights)
+        per_pair = weighted_sum(rows, state.order, moved_weights, state.top_k, state.received)
+        home = funcol.all_to_all_single(per_pair, state.input_splits, state.output_splits, self.group)
+        self._count(per_pair, state.output_splits, state.input_splits, home)
+        return per_pair.new_zeros(state.home_tokens, per_pair.shape[1]).index_add(0, state.tokens, home)
 
     def _count(self, sent: torch.Tensor, splits: list[int], received_splits: list[int], received: torch.Tensor):
         if self.stats is None:

@@ -75,7 +75,7 @@ for _spec in (
     KernelSpec("attention.document.sdpa", "attention", "packed documents: scaled_dot_product_attention with a dense "
                "document mask"),
     *(KernelSpec(f"moe.dispatch.{kind}", "moe_dispatch", f"{kind} token dispatch to the experts' ranks")
-      for kind in ("alltoall", "allgather")),
+      for kind in ("alltoall", "allgather", "flex")),
     KernelSpec("cross_entropy.logits", "cross_entropy", "logits, then per-token cross entropy (loss-parallel when "
                "the logits are vocab-sharded)"),
 ):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtmega.kernels.context_shards import CommStats
-from dtmega.kernels.moe_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from dtmega.kernels.moe_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import shard, shard_dim
@@ -64,6 +64,15 @@ class ExpertParallel(Pass):
                 f"holds the same number of experts. Fix: use {self.axis} in "
                 f"{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}"
             )
+        groups = moe.num_groups
+        if groups and size > 1 and groups % size and size % groups:
+            per_group = moe.num_experts // groups
+            raise PlanError(
+                f"group-limited routing puts the experts in {groups} groups of {per_group}, which do not map onto "
+                f"{self.axis}={size} ranks (each rank must hold whole groups, or each group whole ranks), so it could "
+                f"not bound the ranks a token reaches. Fix: {self.axis} dividing {groups} or a multiple of it, e.g. "
+                f"{[d for d in range(1, groups + 1) if groups % d == 0]}"
+            )
         experts = []
         for layer in moe.layers:
             for fqn in (f"{layer}.{moe.router}", moe.experts_at(layer)):
@@ -76,8 +85,11 @@ class ExpertParallel(Pass):
             entry.options = {**entry.options, "expert_parallel": True}
             experts.append(moe.experts_at(layer))
         program.record(ExpertPlacement(self.axis, size, tuple(experts), self.dispatcher))
+        bound = ""
+        if groups and size > 1:
+            bound = f"; groups on ranks: a token reaches at most {min(size, moe.group_topk * max(1, size // groups))}"
         program.note(f"ExpertParallel({self.dispatcher}, {self.axis}={size}): {moe.num_experts // size} of "
-                     f"{moe.num_experts} experts per rank in {len(moe.layers)} layers")
+                     f"{moe.num_experts} experts per rank in {len(moe.layers)} layers{bound}")
 
     def finalize(self, program: Program) -> None:
         if program.axis_size(self.axis) > 1 and program.result(DataParallelism) is None:
@@ -91,7 +103,7 @@ class ExpertParallel(Pass):
         stats = CommStats()
         program.add_hook(ExpertDispatch(stats))
         group = program.submesh(self.axis).get_group()
-        make = AllToAllDispatcher if self.dispatcher == "alltoall" else AllGatherDispatcher
+        make = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher, "flex": FlexDispatcher}[self.dispatcher]
         for layer in moe.layers:
             for module in program.modules_at(layer):
                 program.family.install_dispatcher(module, make(moe.num_experts, group, stats))

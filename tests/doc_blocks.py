@@ -42,7 +42,7 @@ BENCHMARK_SCALE = {
     "train.py": ["--steps", "2", "--max-plans", "1"],
     "pipeline.py": ["--pp", "2", "--microbatches", "4", "--tick", "0.002"],
     "context.py": ["--seq", "256", "--cp", "1", "2", "--methods", "ring", "--steps", "1"],
-    "moe.py": ["--ep", "1", "2", "--dispatchers", "alltoall", "--seq", "64", "--steps", "1"],
+    "moe.py": ["--ep", "1", "2", "--dispatchers", "alltoall", "--routing", "topk", "--seq", "64", "--steps", "1"],
     "gpu_step.py": ["--tiny", "--in-process", "--systems", "plain", "dtmega+kernels", "--repeats", "2"],
     "gpu_check.py": [],
     "kernels.py": ["--tiny"],

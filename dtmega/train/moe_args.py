@@ -39,6 +39,6 @@ class MoEArgs:
     moe_router_bias_update_rate: float = _opt(1e-3, "step of the expert-bias update")
     moe_expert_capacity_factor: float | None = _opt(None, "tokens per expert per sequence, x even share (unset: dropless)")
     moe_token_drop_policy: str = _opt("probs", "which tokens an over-capacity expert keeps", ("probs", "position"))
-    moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks (flex: not supported "
-                                                       "yet)", ("alltoall", "allgather", "flex"))
+    moe_token_dispatcher_type: str = _opt("allgather", "how tokens reach their experts' ranks (flex: once per token "
+                                                       "and rank, DeepEP's scheme)", ("alltoall", "allgather", "flex"))
     moe_grouped_gemm: bool = _opt(False, "run the local experts as one grouped GEMM (else a loop over experts)")

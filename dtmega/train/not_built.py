@@ -83,11 +83,11 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("--ckpt-format torch", ("--ckpt-format", "torch"), lambda a: a.ckpt_format == "torch",
              "Megatron's legacy per-rank torch.save checkpoints are not written (dtmega's are sharded DCP directories, "
              "loadable under any plan). Fix: --ckpt-format torch_dist"),
-    NotBuilt("--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend)",
-             ("--num-experts", "4", "--moe-token-dispatcher-type", "flex"),
-             lambda a: a.moe_token_dispatcher_type == "flex" or a.moe_flex_dispatcher_backend is not None,
-             "the flex dispatcher (DeepEP / HybridEP kernels) is not supported yet. Fix: --moe-token-dispatcher-type "
-             "alltoall, without --moe-flex-dispatcher-backend"),
+    NotBuilt("--moe-flex-dispatcher-backend",
+             ("--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"),
+             lambda a: a.moe_flex_dispatcher_backend is not None,
+             "DeepEP's and HybridEP's kernels are not supported (the flex dispatcher runs as plain all-to-alls: one row "
+             "per token and destination rank each way). Fix: leave --moe-flex-dispatcher-backend out"),
     NotBuilt("--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
              "--rotary-scaling-factor --mscale --mscale-all-dim)", ("--multi-latent-attention",),
              lambda a: a.multi_latent_attention or any(getattr(a, name) is not None for name in _MLA_SIZES),

@@ -58,6 +58,22 @@ def reject_unsupported(args: TrainArgs) -> None:
                             "or remove that one first")
 
 
+def _has_experts(args: TrainArgs) -> bool:
+    """Whether the run's model has MoE layers: Megatron's --num-experts, or a registered model
+    whose sizes come from its spec (e.g. --model deepseek-debug) with an MoE config."""
+    if args.num_experts:
+        return True
+    if args.model is None:
+        return False
+    from dtmega.models.registry import model_spec
+
+    try:
+        spec = model_spec(args.model)
+    except KeyError:
+        return False
+    return not spec.size_flags and getattr(spec.config, "moe", None) is not None
+
+
 def run_shape(args: TrainArgs, world: int) -> RunShape:
     """Data-parallel size, batch split and accumulation; ArgumentError for sizes that do not fit."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -96,8 +112,9 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
             f"--expert-model-parallel-size {ep}: expert parallelism borrows data-parallel ranks, and the data-parallel "
             f"size is {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp})). Fix: an EP size that divides {dp}"
         )
-    if ep > 1 and not args.num_experts:
-        raise ArgumentError("--expert-model-parallel-size > 1 needs a mixture-of-experts model (--num-experts)")
+    if ep > 1 and not _has_experts(args):
+        raise ArgumentError("--expert-model-parallel-size > 1 needs a mixture-of-experts model (--num-experts, or a "
+                            "--model with experts)")
     mode = args.data_parallel_mode()
     shard = dp
     replicate = 1

@@ -25,6 +25,8 @@ class MoEFacts:
     expert_params: tuple[str, ...]  # its [num_experts, ...] parameters
     shared_experts: str | None = None
     capacity_factor: float | None = None  # tokens dropped per sequence above capacity (None: dropless)
+    num_groups: int | None = None  # group-limited routing: experts in this many equal consecutive groups
+    group_topk: int | None = None  # ... of which a token uses its best group_topk
 
     def experts_at(self, layer: str) -> str:
         """FQN of the experts module of MoE layer `layer`."""

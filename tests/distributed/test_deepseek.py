@@ -23,6 +23,7 @@ from dtmega.passes import (
     SequenceParallel,
     TensorParallel,
 )
+from dtmega.passes.expert_parallel import ExpertDispatch
 from tests.helpers import assert_close_to_reference, compare_training, first_copy_mesh
 
 
@@ -51,6 +52,7 @@ PLANS = {
     "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
     "ep2_groups": (dict(ep=2), [ExpertParallel(), DataParallel("ddp")]),
     "ep4_groups": (dict(ep=4), [ExpertParallel(), DataParallel("fsdp")]),
+    "ep4_groups_flex": (dict(ep=4), [ExpertParallel(dispatcher="flex"), DataParallel("fsdp")]),
     "fsdp2": (dict(dp_shard=2), [DataParallel("fsdp")]),
     "cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DataParallel("fsdp")]),
     "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
@@ -81,3 +83,26 @@ def test_group_limited_routing_bounds_the_ranks_a_token_reaches():
     experts_per_rank = 8 // 4
     for ids in chosen:
         assert max(len(set(row)) for row in (ids // experts_per_rank).tolist()) <= 2
+
+
+def dispatch_bytes(config: DeepSeekConfig, dispatcher: str) -> int:
+    """Bytes this rank sent moving tokens for one forward and backward under EP4."""
+    _, meta_copy = build(config, seed=43)
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(ep=4), dtmega.Plan([ExpertParallel(dispatcher=dispatcher),
+                                                                             DataParallel("fsdp")]))
+    pm.init_weights(seed=43)
+    pm.forward_backward(pm.shard_batch(dtmega.synthetic_batch(8, 32, config.vocab_size, seed=5)))
+    return pm.hook(ExpertDispatch).comm.bytes_sent
+
+
+def test_the_flex_dispatch_sends_each_token_once_per_rank_so_groups_cut_its_bytes():
+    """16 experts (4 per EP rank = one group), top-4: ungrouped, a token's experts may lie on all
+    4 ranks; with group_topk=2 on at most 2. The flex dispatcher sends one row per token and rank,
+    so its bytes fall with the groups; the all-to-all one sends one row per expert either way."""
+    wide = dict(num_experts=16, top_k=4, num_groups=4, group_topk=2)
+    grouped = debug_config(**wide)
+    ungrouped = debug_config(**{**wide, "num_groups": None, "group_topk": None})
+    flex_grouped, flex_ungrouped = dispatch_bytes(grouped, "flex"), dispatch_bytes(ungrouped, "flex")
+    per_expert = dispatch_bytes(grouped, "alltoall")
+    assert flex_grouped < 0.8 * flex_ungrouped and flex_grouped < 0.7 * per_expert, (flex_grouped, flex_ungrouped,
+                                                                                     per_expert)

@@ -162,7 +162,6 @@ def test_hugging_face_llama_masks_packed_documents_by_restarting_positions(name)
 
 
 TORCHTITAN_PLANS = {
-    "tt_one_rank": (dict(), [DocumentMasking()]),
     "tt_tp2_sp_cp2_ring": (dict(tp=2, cp=2), [TensorParallel(), SequenceParallel(), DocumentMasking(),
                                               ContextParallel(method="ring"), DataParallel("fsdp")]),
     "tt_pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DocumentMasking(), DataParallel("ddp")]),

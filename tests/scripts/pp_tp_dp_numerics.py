@@ -21,7 +21,7 @@ for schedule, virtual in (("1f1b", 1), ("interleaved_1f1b", 2)):
             DataParallel("fsdp")]
     pm = dtmega.parallelize(meta_copy(), dtmega.make_mesh(pp=2, dp_shard=2, tp=2, device_type="cpu"), dtmega.Plan(plan))
     pm.init_weights(seed=3)
-    result = compare_training(reference, pm, steps=5, batch_size=8)
+    result = compare_training(reference, pm, steps=3, batch_size=8)
     results[schedule] = {"loss": result.loss, "grad": result.grad, "param": result.param}
 if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as out:

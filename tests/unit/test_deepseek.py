@@ -7,6 +7,8 @@ form. Also the routing rules and the named sizes' parameter counts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,3 +151,21 @@ def test_named_sizes_have_the_published_parameter_counts():
     model = DeepSeek(debug)
     assert sum(p.numel() for p in model.parameters()) == debug.num_params()
     assert v3.kv_cache_bytes_per_token() == (512 + 64) * 2 and v3.mha_cache_bytes_per_token() == 128 * 320 * 2
+
+
+def test_groups_that_do_not_map_onto_expert_parallel_ranks_are_refused_before_launch():
+    """12 experts in 4 groups of 3 over EP3: a rank would hold parts of two groups, so groups
+    could not bound the ranks a token reaches; PlanError naming the EP sizes that work."""
+    import dtmega
+    from dtmega.passes import DataParallel, ExpertParallel, PlanError
+    from tests.helpers import mesh_shape
+
+    config = DeepSeekConfig.from_name("deepseek-debug", mtp_num_layers=0)
+    config = config.replace(moe=dataclasses.replace(config.moe, num_experts=12, num_groups=4, group_topk=2))
+    with torch.device("meta"):
+        model = DeepSeek(config)
+    with pytest.raises(PlanError, match=r"4 groups of 3, which do not map onto ep=3 ranks.*Fix: ep dividing 4"):
+        dtmega.check_plan(model, mesh_shape(ep=3), dtmega.Plan([ExpertParallel(), DataParallel("fsdp")]))
+    layout = dtmega.check_plan(model, mesh_shape(ep=2), dtmega.Plan([ExpertParallel(dispatcher="flex"),
+                                                                     DataParallel("fsdp")]))
+    assert layout["layers.1.feed_forward.experts"].kernel == "moe.dispatch.flex"

@@ -235,7 +235,7 @@ def _row_flags(row, groups: list[list[str]], args_of) -> set[str]:
                       "tied embeddings with pipeline parallelism (PP > 1 without --untie-embeddings-and-output-weights)"}),
     (DEEPSEEK_V3_MEGATRON_FSDP, 64, {
         "--kv-channels other than --hidden-size / --num-attention-heads",
-        "--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend)",
+        "--moe-flex-dispatcher-backend",
         "--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
         "--rotary-scaling-factor --mscale --mscale-all-dim)",
         "--mtp-num-layers --mtp-loss-scaling-factor", "--moe-router-group-topk --moe-router-num-groups",

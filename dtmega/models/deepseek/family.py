@@ -30,7 +30,7 @@ def _describe(model: DeepSeek) -> ModelFacts:
         moe = MoEFacts(
             layers=layers, num_experts=c.moe.num_experts, top_k=c.moe.top_k, router="router", experts="experts",
             expert_params=("w1", "w2", "w3"), shared_experts="shared_experts" if c.moe.shared_expert_ffn_dim else None,
-            capacity_factor=c.moe.capacity_factor,
+            capacity_factor=c.moe.capacity_factor, num_groups=c.moe.num_groups, group_topk=c.moe.group_topk,
         )
     return ModelFacts(
         family="dtmega-deepseek", n_heads=c.n_heads, n_kv_heads=c.n_heads, vocab_size=c.vocab_size, dim=c.dim,

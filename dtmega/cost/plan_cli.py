@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP and HSDP stay inside one)")
     parser.add_argument("--gpu", default="h100", help=f"{', '.join(BUILT_IN)}, or a file from `dtmega calibrate`")
     parser.add_argument("--seq-length", type=int, required=True, help="tokens per sequence")
-    parser.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="sequences per optimizer step (default: one per GPU, --gpus)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="compute dtype (weights, gradients and Adam stay fp32)")
     parser.add_argument("--fp8", action="store_true", help="the blocks' linears in FP8 (GEMMs at the FP8 rate, "
@@ -103,6 +104,8 @@ def model_shape_for(name: str) -> ModelShape:
 def run_search(args: argparse.Namespace) -> tuple[ModelShape, RunWorkload, SearchResult, object]:
     """Checks the options and searches."""
     import_custom(args.custom_import)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.gpus  # one sequence per GPU and step (Megatron's micro-batch 1, no accumulation)
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
                         ("--seq-length", args.seq_length), ("--global-batch-size", args.global_batch_size),
                         ("--max-micro-batch", args.max_micro_batch)):

@@ -19,7 +19,17 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-family decoder's sizes (dense or mixture of experts)."""
+    """A decoder's sizes: Llama-style grouped-query attention, or DeepSeek's multi-latent
+    attention (`mla`), dense or mixture of experts.
+
+    With MLA every head has a query/key of qk_head_dim = nope + rope channels and a value of
+    v_head_dim, and keys and values are expanded to every head: `q_dim` and `kv_dim` are then
+    heads x (qk_head_dim + v_head_dim) / 2, so that the formulas below count exactly what GQA's
+    count, q + output and k + v widths saved for attention's backward, and the scores' and
+    values' FLOPs. Not counted: the latents' own activations (q_lora_rank + kv_lora_rank +
+    rope channels per token, ~3 % of the attention's for DeepSeek-V3), and tensor parallelism
+    splits all attention parameters (MLA keeps the down-projections whole: ~8 % of V3's).
+    """
 
     dim: int
     layers: int
@@ -34,6 +44,7 @@ class ModelShape:
     moe_layers: int = 0
     shared_ffn: int = 0
     capacity_factor: float | None = None
+    mla: object | None = None  # passes.families.base.LatentAttentionFacts
 
     @classmethod
     def of(cls, config: LlamaConfig) -> "ModelShape":
@@ -47,6 +58,8 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
+        if self.mla is not None:
+            return (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim + self.mla.v_head_dim) // 2
         return self.dim // self.heads
 
     @property
@@ -58,8 +71,24 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def attention_params(self) -> int:
-        """wq, wk, wv, wo of one block."""
+        """wq, wk, wv, wo of one block (MLA: its projections and latent norms)."""
+        if self.mla is not None:
+            return self.deepseek_config.attention_params()
         return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+
+    @cached_property
+    def deepseek_config(self):
+        """The same sizes as a DeepSeekConfig (MLA shapes), for its counts."""
+        from dtmega.models.deepseek.config import DeepSeekConfig
+
+        m = self.mla
+        moe = MoEConfig(num_experts=self.experts, top_k=self.top_k, ffn_dim=self.expert_ffn,
+                        first_dense_layers=self.layers - self.moe_layers, shared_expert_ffn_dim=self.shared_ffn,
+                        capacity_factor=self.capacity_factor) if self.experts else None
+        return DeepSeekConfig(dim=self.dim, n_layers=self.layers, n_heads=self.heads, vocab_size=self.vocab,
+                              ffn_dim=self.ffn, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                              qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                              v_head_dim=m.v_head_dim, tie_embeddings=self.tied, yarn=None, moe=moe)
 
     def dense_mlp_params(self) -> int:
         return 3 * self.dim * self.ffn
@@ -84,7 +113,7 @@ class ModelShape:
 
     @cached_property
     def _param_count(self) -> int:  # counted once per shape: the planner asks for it per candidate
-        return self.config.num_params()
+        return (self.deepseek_config if self.mla is not None else self.config).num_params()
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs per trained token (forward + backward), PaLM's accounting, as the trainer's
@@ -94,7 +123,12 @@ class ModelShape:
 
         known = self.__dict__.setdefault("_flops_per_token", {})  # per seq, once (a frozen dataclass's cache)
         if seq not in known:
-            known[seq] = llama_flops_per_token(self.config, seq)
+            if self.mla is not None:
+                from dtmega.models.deepseek.specs import deepseek_flops_per_token
+
+                known[seq] = deepseek_flops_per_token(self.deepseek_config, seq)
+            else:
+                known[seq] = llama_flops_per_token(self.config, seq)
         return known[seq]
 
 

@@ -34,6 +34,17 @@ class MoEFacts:
 
 
 @dataclass(frozen=True)
+class LatentAttentionFacts:
+    """Multi-latent attention's sizes (DeepSeek): what the cost model counts instead of GQA's."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """Shape facts every pass may check constraints against."""
 
@@ -50,6 +61,7 @@ class ModelFacts:
     tied_embeddings: bool = False
     moe: MoEFacts | None = None
     max_positions: int | None = None  # the longest sequence the position table covers (None: unknown)
+    latent_attention: LatentAttentionFacts | None = None  # MLA instead of grouped-query attention
 
     @property
     def n_layers(self) -> int:

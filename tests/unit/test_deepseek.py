@@ -169,3 +169,20 @@ def test_groups_that_do_not_map_onto_expert_parallel_ranks_are_refused_before_la
     layout = dtmega.check_plan(model, mesh_shape(ep=2), dtmega.Plan([ExpertParallel(dispatcher="flex"),
                                                                      DataParallel("fsdp")]))
     assert layout["layers.1.feed_forward.experts"].kernel == "moe.dispatch.flex"
+
+
+def test_the_planner_costs_deepseek_v3_with_latent_attention_and_finds_a_plan_in_80_gb(capsys):
+    """Issue 35's command as written (the global batch defaults to one sequence per GPU): the
+    best plan fits an 80 GB H100, and the cost model counts MLA's parameters exactly."""
+    import json
+
+    from dtmega.cli import main
+    from dtmega.cost.plan_cli import model_shape_for
+
+    shape = model_shape_for("deepseek-v3")
+    assert shape.total_params() == DeepSeekConfig.from_name("deepseek-v3").num_params() == 671_026_404_352
+    assert shape.q_dim == shape.kv_dim == 128 * (192 + 128) // 2  # q + output and k + v widths, as GQA's formulas
+    assert main(["plan", "--model", "deepseek-v3", "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "h100",
+                 "--seq-length", "4096", "--top", "1", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["memory_gib"] < 80 * 1e9 / 2**30 * 0.9 and best["ep"] > 1, best

@@ -19,6 +19,7 @@ from dtmega.models.deepseek.model import DeepSeek
 from dtmega.models.llama.family import _install_dispatcher, _runtime_hooks
 from dtmega.models.moe import moe_layers
 from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
+from dtmega.passes.families.base import LatentAttentionFacts
 from dtmega.passes.rules import Rule
 
 
@@ -36,6 +37,8 @@ def _describe(model: DeepSeek) -> ModelFacts:
         family="dtmega-deepseek", n_heads=c.n_heads, n_kv_heads=c.n_heads, vocab_size=c.vocab_size, dim=c.dim,
         ffn_dim=c.ffn_dim, blocks=tuple(f"layers.{name}" for name in model.layers), embedding="tok_embeddings",
         output="output", final_norm="norm", tied_embeddings=c.tie_embeddings, moe=moe, max_positions=c.max_seq_len,
+        latent_attention=LatentAttentionFacts(c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                              c.v_head_dim),
     )
 
 

@@ -164,7 +164,7 @@ class ParallelModel(ModelWeights):
         else:
             logits_fn = self.program.family.logits if self.program.family else default_logits
             logits = logits_fn(self.module, fields.tokens, fields.position_ids,
-                               **document_kwargs(fields, self.program.family))
+                               **document_kwargs(fields, self.program.family, loss_inputs=False))
         for hook in reversed(self.hooks):
             logits = hook.unshard_output(logits)
         return logits

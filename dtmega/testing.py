@@ -59,10 +59,23 @@ def reference_loss(model: nn.Module, batch: TensorDict) -> torch.Tensor:
     plus the balancing losses of MoE layers (whose gradient their layers attach themselves)."""
     family = family_of(model)
     before = _moe_losses(model)
-    logits = family.logits(model, batch["tokens"], batch.get("position_ids", None))
+    own = {"labels": batch["labels"], "loss_mask": batch["loss_mask"]} if family.loss_inputs else {}
+    if getattr(model, "mtp", None) is not None:
+        model.mtp_stats = {}
+    logits = family.logits(model, batch["tokens"], batch.get("position_ids", None), **own)
     losses = per_token_cross_entropy(logits, batch["labels"])
     mask = batch["loss_mask"]
-    return (losses * mask).sum() / mask.sum() + (_moe_losses(model) - before)
+    return (losses * mask).sum() / mask.sum() + (_moe_losses(model) - before) + _mtp_loss(model)
+
+
+def _mtp_loss(model: nn.Module) -> torch.Tensor:
+    """The multi-token-prediction loss a DeepSeek model recorded in its last forward (zero for
+    other models): each depth's mean over its kept positions, times the scaling factor / depths."""
+    if getattr(model, "mtp", None) is None or not model.mtp_stats:
+        return torch.zeros(())
+    depths = len(model.mtp)
+    factor = model.config.mtp_loss_scaling_factor / depths
+    return sum(factor * model.mtp_stats[f"sum{d}"] / model.mtp_stats[f"count{d}"] for d in range(1, depths + 1))
 
 
 @dataclass

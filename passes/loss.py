@@ -72,14 +72,17 @@ def plan_loss(program) -> Loss:
     return CROSS_ENTROPY
 
 
-def document_kwargs(batch: Batch, family) -> dict:
+def document_kwargs(batch: Batch, family, loss_inputs: bool = True) -> dict:
     """`document_ids=...` for a family's logits function when the batch packs documents
-    (passes/document_masking.py) and the family's model takes them, else nothing (a family that
-    masks documents by their restarting position ids gets those)."""
+    (passes/document_masking.py) and the family's model takes them (a family that masks
+    documents by their restarting position ids gets those), and `labels` and `loss_mask` for a
+    family whose model computes losses of its own (`ModelFamily.loss_inputs`)."""
+    wanted = loss_inputs and family is not None and family.loss_inputs
+    extra = {"labels": batch.labels, "loss_mask": batch.loss_mask} if wanted else {}
     documents = batch.extra.get("document_ids")
     if documents is None or family is None or family.document_kwarg is None:
-        return {}
-    return {"document_ids": documents}
+        return extra
+    return {**extra, "document_ids": documents}
 
 
 def loss_for(program) -> LossFn:

@@ -32,7 +32,8 @@ def model_shape_of(program: Program) -> ModelShape:
     capacity = None
     if facts.moe is not None:
         moe = facts.moe
-        experts, top_k, moe_layers, capacity = moe.num_experts, moe.top_k, len(moe.layers), moe.capacity_factor
+        experts, top_k, capacity = moe.num_experts, moe.top_k, moe.capacity_factor
+        moe_layers = sum(1 for layer in moe.layers if layer.startswith("layers."))  # not an MTP module's block
         entry = program.layout[moe.experts_at(moe.layers[0])]
         numel = sum(_numel(p.shape) for p in entry.params.values())
         expert_ffn = numel // (3 * experts * facts.dim)
@@ -42,7 +43,7 @@ def model_shape_of(program: Program) -> ModelShape:
                          if fqn.startswith(shared_fqn) for p in m.params.values()) // (3 * facts.dim)
     return ModelShape(facts.dim, facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.ffn_dim, facts.vocab_size,
                       facts.tied_embeddings, experts, top_k, expert_ffn, moe_layers, shared, capacity,
-                      facts.latent_attention)
+                      facts.latent_attention, facts.mtp_layers)
 
 
 def model_shape_of_spec(spec, config=None) -> ModelShape:

@@ -45,6 +45,7 @@ class ModelShape:
     shared_ffn: int = 0
     capacity_factor: float | None = None
     mla: object | None = None  # passes.families.base.LatentAttentionFacts
+    mtp_layers: int = 0  # DeepSeek's multi-token-prediction depths (MLA models)
 
     @classmethod
     def of(cls, config: LlamaConfig) -> "ModelShape":
@@ -88,7 +89,8 @@ class ModelShape:
         return DeepSeekConfig(dim=self.dim, n_layers=self.layers, n_heads=self.heads, vocab_size=self.vocab,
                               ffn_dim=self.ffn, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                               qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-                              v_head_dim=m.v_head_dim, tie_embeddings=self.tied, yarn=None, moe=moe)
+                              v_head_dim=m.v_head_dim, tie_embeddings=self.tied, yarn=None, moe=moe,
+                              mtp_num_layers=self.mtp_layers)
 
     def dense_mlp_params(self) -> int:
         return 3 * self.dim * self.ffn
@@ -113,7 +115,9 @@ class ModelShape:
 
     @cached_property
     def _param_count(self) -> int:  # counted once per shape: the planner asks for it per candidate
-        return (self.deepseek_config if self.mla is not None else self.config).num_params()
+        if self.mla is not None:
+            return self.deepseek_config.num_params(with_mtp=True)
+        return self.config.num_params()
 
     def flops_per_token(self, seq: int) -> float:
         """Model FLOPs per trained token (forward + backward), PaLM's accounting, as the trainer's

@@ -42,6 +42,13 @@ class Decoder(nn.Module):
         A pipeline stage is this model with some pieces set to None: without an embedding it
         takes hidden states [B, S, D]; without norm and output it returns hidden states.
         """
+        h, _, _ = self.trunk(tokens, position_ids, cache, document_ids)
+        return self.head(h)
+
+    def trunk(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+              document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(the last block's hidden states, the RoPE angles used, the documents' mask): the
+        forward up to the final norm."""
         seq = tokens.shape[1]
         documents = None
         if document_ids is not None:
@@ -69,6 +76,10 @@ class Decoder(nn.Module):
                 h = block(h, rope) if cache is None else block(h, rope, cache=cache.layer(name))
         if cache is not None:
             cache.advance(seq)
+        return h, rope, documents
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output layer (where this pipeline stage has them)."""
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -51,11 +51,11 @@ class MegatronOnlyArgs:
     rotary_scaling_factor: float | None = opt(None, "YaRN RoPE scaling factor, with MLA (not supported yet)")
     mscale: float | None = opt(None, "YaRN attention scale, with MLA (not supported yet)")
     mscale_all_dim: float | None = opt(None, "YaRN attention scale over all dims, with MLA (not supported yet)")
-    mtp_num_layers: int | None = opt(None, "multi-token prediction depth (not supported yet)")
-    mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction loss weight (not supported yet)")
-    moe_router_group_topk: int | None = opt(None, "group-limited routing: groups each token may use (not supported "
-                                                  "yet)")
-    moe_router_num_groups: int | None = opt(None, "group-limited routing: expert groups (not supported yet)")
+    mtp_num_layers: int | None = opt(None, "multi-token prediction depths (DeepSeek models: --model deepseek-*)")
+    mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction loss weight (DeepSeek models)")
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: the best groups each token's experts "
+                                                  "come from")
+    moe_router_num_groups: int | None = opt(None, "group-limited routing: equal groups of consecutive experts")
     moe_router_dtype: str | None = opt(None, "router precision: fp32 is dtmega's for bf16/fp16 models (fp64 is "
                                              "not supported)", ("fp32", "fp64"))
     moe_permute_fusion: bool = opt(False, "Transformer Engine's fused token permutation (not supported yet)")

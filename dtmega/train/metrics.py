@@ -113,7 +113,7 @@ class MetricsLogger:
             return "-"
         if column == "lr":
             return f"{value:.3e}"
-        if column in ("loss", "grad_norm", "mfu", "tflops_per_device", "moe_loss", "expert_load_max", "dropped"):
+        if column in ("loss", "grad_norm", "mfu", "tflops_per_device", "moe_loss", "mtp_loss", "expert_load_max", "dropped"):
             return f"{value:.4f}"
         return f"{value:,.1f}" if isinstance(value, float) else str(value)
 

@@ -38,6 +38,16 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
               "mscale", "mscale_all_dim")
 
 
+
+def _deepseek(args) -> bool:
+    """Whether --model names a model of the DeepSeek family (multi-token prediction's home)."""
+    from dtmega.models.registry import model_spec
+
+    try:
+        return args.model is not None and model_spec(args.model).family == "dtmega-deepseek"
+    except KeyError:
+        return False
+
 NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("GPT blocks (Megatron's sizes without --swiglu)", (), _gpt_blocks,
              "without --swiglu Megatron builds GPT blocks (GeLU MLP; by its defaults also LayerNorm, learned absolute "
@@ -93,15 +103,10 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.multi_latent_attention or any(getattr(a, name) is not None for name in _MLA_SIZES),
              "DeepSeek's multi-latent attention (and the YaRN RoPE scaling it comes with) is not supported yet. Fix: "
              "leave these flags out (attention is then grouped-query, --num-query-groups)"),
-    NotBuilt("--mtp-num-layers --mtp-loss-scaling-factor", ("--mtp-num-layers", "1"),
-             lambda a: a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None,
-             "multi-token prediction is not supported yet. Fix: leave --mtp-num-layers and --mtp-loss-scaling-factor "
-             "out (next-token loss only)"),
-    NotBuilt("--moe-router-group-topk --moe-router-num-groups", ("--num-experts", "4", "--moe-router-num-groups", "2",
-                                                                  "--moe-router-group-topk", "1"),
-             lambda a: a.moe_router_group_topk is not None or a.moe_router_num_groups is not None,
-             "group-limited routing (each token's experts from its best groups) is not supported yet. Fix: leave "
-             "both out (top-k over all experts)"),
+    NotBuilt("--mtp-num-layers --mtp-loss-scaling-factor without a DeepSeek model", ("--mtp-num-layers", "1"),
+             lambda a: (a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None) and not _deepseek(a),
+             "multi-token prediction is built for the DeepSeek family only. Fix: --model deepseek-v3 (or another "
+             "deepseek-* size), or leave --mtp-num-layers and --mtp-loss-scaling-factor out (next-token loss only)"),
     NotBuilt("--moe-router-dtype fp64", ("--num-experts", "4", "--moe-router-dtype", "fp64"),
              lambda a: a.moe_router_dtype == "fp64",
              "a float64 router for a lower-precision model is not supported yet (the router runs in fp32 for bf16 and "

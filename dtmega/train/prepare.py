@@ -77,7 +77,28 @@ def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
     if given:
         raise ArgumentError(f"--model {name} is a registered {spec.family} model whose sizes come from its spec; "
                             f"{', '.join(given)} cannot change them. Fix: leave them out, or register another size")
-    return spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args))
+    return spec, _family_flags(spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args)), args)
+
+
+def _family_flags(spec: ModelSpec, config: Any, args: TrainArgs) -> Any:
+    """Megatron's flags a registered DeepSeek size still takes: --mtp-num-layers,
+    --mtp-loss-scaling-factor, --moe-router-num-groups and --moe-router-group-topk."""
+    if spec.family != "dtmega-deepseek":
+        return config
+    from dtmega.kernels.errors import DtmegaError
+
+    changes: dict[str, Any] = {}
+    if args.mtp_num_layers is not None:
+        changes["mtp_num_layers"] = args.mtp_num_layers
+    if args.mtp_loss_scaling_factor is not None:
+        changes["mtp_loss_scaling_factor"] = args.mtp_loss_scaling_factor
+    try:
+        if (args.moe_router_num_groups, args.moe_router_group_topk) != (None, None):
+            changes["moe"] = dataclasses.replace(config.moe, num_groups=args.moe_router_num_groups,
+                                                 group_topk=args.moe_router_group_topk)
+        return config.replace(**changes) if changes else config
+    except DtmegaError as error:
+        raise ArgumentError(f"--model {spec.name}: {error}") from None
 
 
 def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dtmega.data.tokenizers import TokenizerSpec
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.llama.config import LlamaConfig, RopeScaling
 from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import Plan
@@ -219,11 +220,19 @@ def _layer_pattern(text: str, n_layers: int) -> tuple[int, int]:
 def moe_config(args: TrainArgs, ffn: int) -> MoEConfig | None:
     """The MoE options (Megatron's --moe-* flags), or None for a dense model."""
     if not args.num_experts:
-        given = [f"--{name.replace('_', '-')}" for name in MOE_FLAGS if getattr(args, name)]
+        given = [f"--{name.replace('_', '-')}" for name in (*MOE_FLAGS, "moe_router_num_groups", "moe_router_group_topk")
+                 if getattr(args, name)]
         if given:
             raise ArgumentError(f"{', '.join(given)} need(s) --num-experts (a mixture-of-experts model)")
         return None
     first_dense, freq = _layer_pattern(args.moe_layer_freq, args.num_layers)
+    try:
+        return _moe_config(args, ffn, first_dense, freq)
+    except DtmegaError as error:  # the config's own checks (e.g. --moe-router-group-topk > groups), as one line
+        raise ArgumentError(str(error).replace("invalid MoEConfig: ", "--moe-* flags: ")) from None
+
+
+def _moe_config(args: TrainArgs, ffn: int, first_dense: int, freq: int) -> MoEConfig:
     return MoEConfig(
         num_experts=args.num_experts, top_k=args.moe_router_topk, ffn_dim=args.moe_ffn_hidden_size or ffn,
         layer_freq=freq, first_dense_layers=first_dense,
@@ -233,6 +242,7 @@ def moe_config(args: TrainArgs, ffn: int) -> MoEConfig | None:
         z_loss_coeff=args.moe_z_loss_coeff or 0.0, expert_bias=args.moe_router_enable_expert_bias,
         bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
         token_drop_policy=args.moe_token_drop_policy, grouped_gemm=args.moe_grouped_gemm,
+        num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
     )
 
 

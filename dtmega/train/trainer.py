@@ -26,6 +26,7 @@ from dtmega.data.sft_dataset import sft_datasets
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
+from dtmega.models.deepseek.mtp_runtime import MTPRuntime
 from dtmega.moe_runtime import MoERuntime
 from dtmega.stop_signals import raise_if_stopped
 from dtmega.train.args import ArgumentError, TrainArgs, parse_train_args, to_toml_dict
@@ -225,7 +226,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.config, args.seq_length, self.spec)
         self.peak, self.peak_source = peak_flops(self.device_type, args.bf16 or args.fp16)
         self.moe = self.pm.hook(MoERuntime)
+        self.mtp = self.pm.hook(MTPRuntime)  # DeepSeek's multi-token prediction: its loss logged apart
         moe_columns = ("moe_loss", "expert_load_max", "dropped") if self.moe else ()
+        moe_columns += ("mtp_loss",) if self.mtp else ()
         self.timers = StepTimers(args.timing_log_level, args.timing_log_option, self.device_type)
         self.logger = MetricsLogger(leader=self.leader, log_file=args.log_file, console=self.console,
                                     sinks=open_sinks(args, self.leader, to_toml_dict(args)),
@@ -447,7 +450,7 @@ class Trainer:
         if self.unigram_entropy is not None:
             self.console.print(f"unigram entropy of the data: {self.unigram_entropy:.3f} nats/token")
         window_losses, window_start, skipped = [], time.perf_counter(), 0
-        window_steps, window_moe = 0, []
+        window_steps, window_moe, window_mtp = 0, [], []
         health = None
         if not args.no_check_for_nan_in_loss_and_grad:
             health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
@@ -476,6 +479,7 @@ class Trainer:
                 health.record(self.iteration, loss, norm)  # checks the step before this one
             window_losses.append(loss)
             window_moe.append(self.moe.last_loss if self.moe else 0.0)
+            window_mtp.append(self.mtp.last_loss if self.mtp else 0.0)
             window_steps += 1
             skipped = skipped + overflow
             last = self.iteration == self.train_iters
@@ -508,11 +512,13 @@ class Trainer:
                     **({"world_size": shape.world} if args.log_world_size_to_tensorboard else {}),
                     **self.timers.window(window_steps, elapsed),
                     **moe, **stragglers,
+                    **({"mtp_loss": float(sum(window_mtp)) / len(window_mtp)} if self.mtp else {}),
                 })
                 if straggler_line:
                     self.console.print(straggler_line)
                 self.logger.log_expert_load(self.iteration, moe.get("expert_load", {}))
                 window_losses, window_steps, window_start, window_moe = [], 0, time.perf_counter(), []
+                window_mtp = []
             if self.saving is not None:  # publish a background save every rank has written
                 published = self.finish_background_save(wait=False)
                 if published is not None:

@@ -62,6 +62,7 @@ class ModelFacts:
     moe: MoEFacts | None = None
     max_positions: int | None = None  # the longest sequence the position table covers (None: unknown)
     latent_attention: LatentAttentionFacts | None = None  # MLA instead of grouped-query attention
+    mtp_layers: int = 0  # multi-token-prediction depths (each one more block beside `blocks`)
 
     @property
     def n_layers(self) -> int:
@@ -93,6 +94,9 @@ class ModelFamily:
     # The model masks packed documents by itself when its position ids restart per document
     # (transformers >= 4.53 finds packed sequences in position_ids); used where document_kwarg is None.
     documents_by_positions: bool = False
+    # Whether `logits` also takes the batch's `labels` and `loss_mask` (keywords), for losses the
+    # model computes itself beside the next-token one (DeepSeek's multi-token prediction).
+    loss_inputs: bool = False
     # For a family whose own attention cores take no document ids: makes the core DocumentMasking
     # installs at `attention_core` (given the backend), which reads the ids `document_kwarg` passes.
     document_core: Callable[[str], nn.Module] | None = None

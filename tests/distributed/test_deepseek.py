@@ -13,12 +13,14 @@ import torch
 
 import dtmega
 from dtmega.models.deepseek import DeepSeek, DeepSeekConfig
+from dtmega.models.deepseek.mtp_runtime import MTPRuntime
 from dtmega.models.moe import moe_layers
 from dtmega.passes import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
     PipelineSplit,
+    PlanError,
     Recompute,
     SequenceParallel,
     TensorParallel,
@@ -27,10 +29,11 @@ from dtmega.passes.expert_parallel import ExpertDispatch
 from tests.helpers import assert_close_to_reference, compare_training, first_copy_mesh
 
 
-def debug_config(**moe) -> DeepSeekConfig:
+def debug_config(mtp: int = 0, **moe) -> DeepSeekConfig:
     """deepseek-debug (8 experts in 4 groups, top-2 from the best 2 groups) with a per-sequence
-    balancing loss, so every plan also checks how the loss's statistics are summed."""
-    config = DeepSeekConfig.from_name("deepseek-debug", mtp_num_layers=0)
+    balancing loss, so every plan also checks how the loss's statistics are summed; `mtp`
+    multi-token-prediction depths."""
+    config = DeepSeekConfig.from_name("deepseek-debug", mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3)
     return config.replace(moe=dataclasses.replace(config.moe, **{"load_balancing": "seq_aux_loss",
                                                                  "aux_loss_coeff": 1e-2, **moe}))
 
@@ -58,6 +61,33 @@ PLANS = {
     "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
     "selective_recompute_tp2": (dict(tp=2), [TensorParallel(), SequenceParallel(), Recompute("selective")]),
 }
+
+
+MTP_PLANS = {
+    "mtp_fsdp2": (dict(dp_shard=2), [DataParallel("fsdp")]),
+    "mtp_ep2_fsdp2": (dict(ep=2, dp_shard=2), [ExpertParallel(dispatcher="flex"), DataParallel("fsdp")]),
+}
+
+
+@pytest.mark.parametrize("name", list(MTP_PLANS))
+def test_multi_token_prediction_matches_unsharded(name):
+    """Two MTP depths (each depth's loss averaged over the global batch's kept positions, as the
+    next-token loss): loss with the MTP loss, every gradient (the MTP modules' included: their
+    block is an MoE block, whose experts EP shards too), 5 AdamW steps."""
+    sizes, passes = MTP_PLANS[name]
+    reference, meta_copy = build(debug_config(mtp=2), seed=44)
+    pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
+    pm.init_weights(seed=44)
+    assert pm.hook(MTPRuntime) is not None
+    assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
+    assert float(pm.hook(MTPRuntime).last_loss) > 0
+
+
+def test_multi_token_prediction_under_tensor_parallelism_is_refused_before_launch():
+    _, meta_copy = build(debug_config(mtp=1), seed=45)
+    with pytest.raises(PlanError, match=r"multi-token prediction \(mtp_num_layers=1\) under tensor parallelism is not "
+                                        r"built yet.*Fix: mtp_num_layers=0"):
+        dtmega.parallelize(meta_copy(), first_copy_mesh(tp=2), dtmega.Plan([TensorParallel(), SequenceParallel()]))
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -106,3 +136,25 @@ def test_the_flex_dispatch_sends_each_token_once_per_rank_so_groups_cut_its_byte
     per_expert = dispatch_bytes(grouped, "alltoall")
     assert flex_grouped < 0.8 * flex_ungrouped and flex_grouped < 0.7 * per_expert, (flex_grouped, flex_ungrouped,
                                                                                      per_expert)
+
+
+def test_dtmega_train_deepseek_debug_with_expert_parallelism_and_mtp(shared_dir):
+    """Issue 35's launch on 4 CPU ranks, docs/deepseek.md's own command line: --model
+    deepseek-debug, EP4 with the flex dispatcher and one MTP depth; the loss falls and both
+    losses are logged (mtp_loss beside loss)."""
+    import json
+    import shlex
+
+    from tests.doc_blocks import ROOT, collect_blocks, commands
+    from tests.train_helpers import train_reusing_meshes
+
+    log = shared_dir / "deepseek_metrics.jsonl"
+    block = next(b for b in collect_blocks([ROOT / "docs" / "deepseek.md"]) if "dtmega train" in b.code)
+    launch = shlex.split(commands(block.code)[0])
+    argv = launch[launch.index("train") + 1:] + ["--log-interval", "1", "--seed", "5", "--log-file", str(log)]
+    assert launch[:3] == ["torchrun", "--nproc-per-node", "4"] and "--mtp-num-layers" in argv
+    result = train_reusing_meshes(argv)
+    assert result.losses[-1] < result.losses[0], result.losses
+    if torch.distributed.get_rank() == 0:
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        assert all(row["mtp_loss"] > 0 for row in rows) and len(rows) == 16

@@ -30,7 +30,7 @@ def tiny_hf_config(**overrides):
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4,
         topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
-        max_position_embeddings=256, rope_interleave=True,
+        max_position_embeddings=256, rope_interleave=True, num_nextn_predict_layers=0,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                          "mscale_all_dim": 0.8},
@@ -148,8 +148,8 @@ def test_named_sizes_have_the_published_parameter_counts():
     v3, lite, debug = (DeepSeekConfig.from_name(n) for n in ("deepseek-v3", "deepseek-v2-lite", "deepseek-debug"))
     assert round(v3.num_params() / 1e9) == 671 and round(v3.num_activated_params() / 1e9) == 37
     assert round(lite.num_params() / 1e8) == 157 and int(lite.num_activated_params() / 1e8) == 24
-    model = DeepSeek(debug)
-    assert sum(p.numel() for p in model.parameters()) == debug.num_params()
+    model = DeepSeek(debug)  # with its MTP module
+    assert sum(p.numel() for p in model.parameters()) == debug.num_params(with_mtp=True) > debug.num_params()
     assert v3.kv_cache_bytes_per_token() == (512 + 64) * 2 and v3.mha_cache_bytes_per_token() == 128 * 320 * 2
 
 
@@ -179,10 +179,72 @@ def test_the_planner_costs_deepseek_v3_with_latent_attention_and_finds_a_plan_in
     from dtmega.cli import main
     from dtmega.cost.plan_cli import model_shape_for
 
-    shape = model_shape_for("deepseek-v3")
-    assert shape.total_params() == DeepSeekConfig.from_name("deepseek-v3").num_params() == 671_026_404_352
+    shape = model_shape_for("deepseek-v3")  # trained with its MTP module: 671.0 B + 11.6 B
+    assert shape.total_params() == DeepSeekConfig.from_name("deepseek-v3").num_params(with_mtp=True) == 682_636_472_320
     assert shape.q_dim == shape.kv_dim == 128 * (192 + 128) // 2  # q + output and k + v widths, as GQA's formulas
     assert main(["plan", "--model", "deepseek-v3", "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "h100",
                  "--seq-length", "4096", "--top", "1", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert best["memory_gib"] < 80 * 1e9 / 2**30 * 0.9 and best["ep"] > 1, best
+
+
+def test_multi_token_prediction_loss_is_the_shifted_cross_entropy_of_its_module():
+    """The MTP depth's loss rebuilt by hand from the model's pieces: [enorm(embedding of the token
+    one ahead); hnorm(last hidden)] -> eh_proj -> block -> norm -> the shared output layer,
+    cross entropy against the label one further ahead, averaged over the loss mask rolled by one,
+    times mtp_loss_scaling_factor; attached to the logits (its gradient reaches the MTP module)
+    and absent when not training."""
+    import torch.nn.functional as F
+
+    from dtmega.models.deepseek.model import roll_left
+    from dtmega.testing import reference_loss
+
+    config = DeepSeekConfig.from_name("deepseek-debug", mtp_loss_scaling_factor=0.3)
+    config = config.replace(moe=dataclasses.replace(config.moe, load_balancing="none", aux_loss_coeff=0.0))
+    model = DeepSeek(config)
+    model.init_weights(seed=2)
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 256, (2, 24), generator=generator)
+    labels = torch.randint(0, 256, (2, 24), generator=generator)
+    mask = (torch.rand(2, 24, generator=generator) > 0.3).float()
+    with torch.no_grad():
+        h, rope, _ = model.trunk(tokens)
+        mtp = model.mtp[0]
+        x = mtp.eh_proj(torch.cat([mtp.enorm(model.tok_embeddings(roll_left(tokens, 1))), mtp.hnorm(h)], dim=-1))
+        logits = model.output(mtp.norm(mtp.block(x, rope)))
+        ce = F.cross_entropy(logits.flatten(0, 1), roll_left(labels, 1).flatten(), reduction="none").view(2, 24)
+        kept = roll_left(mask, 1)
+        expected = 0.3 * (ce * kept).sum() / kept.sum()
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+    without = DeepSeek(config.replace(mtp_num_layers=0))
+    without.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
+    total = reference_loss(model, batch)
+    assert relative_error(total - reference_loss(without, batch), expected) <= 1e-5
+    total.backward()
+    assert model.mtp[0].eh_proj.weight.grad.abs().sum() > 0
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens, labels=labels, loss_mask=mask), without.eval()(tokens))
+
+
+def test_megatrons_mtp_and_group_flags_reach_the_models_configs():
+    """--model deepseek-* takes --mtp-num-layers/--mtp-loss-scaling-factor and the group flags;
+    a Llama MoE from Megatron's size flags takes the group flags; bad values are one line."""
+    from dtmega.train.args import ArgumentError, parse_train_args
+    from dtmega.train.prepare import model_of
+
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--seq-length", "32",
+            "--train-iters", "2", "--lr", "1e-3"]
+    args, _ = parse_train_args([*base, "--model", "deepseek-debug", "--mtp-num-layers", "2",
+                                "--mtp-loss-scaling-factor", "0.2", "--moe-router-num-groups", "2",
+                                "--moe-router-group-topk", "1"])
+    _, config = model_of(args, 256)
+    assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (2, 0.2)
+    assert (config.moe.num_groups, config.moe.group_topk) == (2, 1)
+    llama = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+             "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-num-groups", "4"]
+    args, _ = parse_train_args([*base, *llama, "--moe-router-group-topk", "2"])
+    assert model_of(args, 256)[1].moe.group_topk == 2
+    args, _ = parse_train_args([*base, *llama, "--moe-router-group-topk", "5"])
+    with pytest.raises(ArgumentError, match="group_topk=5 must be between 1 and num_groups=4"):
+        model_of(args, 256)

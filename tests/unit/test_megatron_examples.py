@@ -238,7 +238,7 @@ def _row_flags(row, groups: list[list[str]], args_of) -> set[str]:
         "--moe-flex-dispatcher-backend",
         "--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
         "--rotary-scaling-factor --mscale --mscale-all-dim)",
-        "--mtp-num-layers --mtp-loss-scaling-factor", "--moe-router-group-topk --moe-router-num-groups",
+        "--mtp-num-layers --mtp-loss-scaling-factor without a DeepSeek model",
         "--moe-permute-fusion", "--moe-router-force-load-balancing", "--recompute-modules other than core_attn",
         "--fsdp-double-buffer --use-nccl-ub", "--megatron-fsdp-main-grads-dtype bf16",
         "--dist-ckpt-strictness other than raise_all", "--no-mmap-bin-files", "--qk-layernorm"}),

@@ -120,8 +120,8 @@ class DeepSeekConfig:
 
     def mtp_params(self) -> int:
         """Parameters of the multi-token-prediction modules (embedding and head shared with the
-        model): two norms, the 2D -> D projection and one block (MoE when the last block is) each."""
-        block = self.attention_params() + 2 * self.dim
+        model): three norms, the 2D -> D projection and one block (MoE when the last block is) each."""
+        block = self.attention_params() + 3 * self.dim
         block += self.moe.params_per_layer(self.dim) if self._moe_at(self.n_layers - 1) else 3 * self.dim * self.ffn_dim
         return self.mtp_num_layers * (2 * self.dim + 2 * self.dim * self.dim + block)
 

@@ -39,14 +39,20 @@ def _describe(model: DeepSeek) -> ModelFacts:
         output="output", final_norm="norm", tied_embeddings=c.tie_embeddings, moe=moe, max_positions=c.max_seq_len,
         latent_attention=LatentAttentionFacts(c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                               c.v_head_dim),
+        mtp_layers=len(model.mtp) if model.mtp is not None else 0,
     )
 
 
 def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
-            document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    if document_ids is not None:
-        return model(tokens, position_ids, document_ids=document_ids)
-    return model(tokens, position_ids)
+            document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+            loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    return model(tokens, position_ids, document_ids=document_ids, labels=labels, loss_mask=loss_mask)
+
+
+def _hooks(program) -> list:
+    from dtmega.models.deepseek.mtp_runtime import mtp_hooks
+
+    return _runtime_hooks(program) + mtp_hooks(program)
 
 
 DTMEGA_DEEPSEEK = register_family(
@@ -83,6 +89,7 @@ DTMEGA_DEEPSEEK = register_family(
         document_kwarg="document_ids",
         install_dispatcher=_install_dispatcher,
         moe_tensor_parallel=True,
-        runtime_hooks=_runtime_hooks,
+        runtime_hooks=_hooks,
+        loss_inputs=True,
     )
 )

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from dtmega.kernels.cross_entropy import per_token_cross_entropy
 from dtmega.models.decoder import Decoder
 from dtmega.models.deepseek.config import DeepSeekConfig
 from dtmega.models.deepseek.rope import deepseek_rope_cache
 from dtmega.models.feed_forward import FeedForward
-from dtmega.models.kv_cache import LayerCache
+from dtmega.models.kv_cache import KVCache, LayerCache
 from dtmega.models.llama.model import CoreAttention
-from dtmega.models.moe import MoE
+from dtmega.models.moe import MoE, _AttachLoss
 from dtmega.models.rope import apply_rope
 
 
@@ -121,8 +122,46 @@ class DeepSeekBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth of multi-token prediction (DeepSeek-V3; Megatron's MTP layer): the previous
+    depth's hidden states and the embedding of the token `depth` places ahead, each
+    RMS-normalized and concatenated ([embedding; hidden], the order of DeepSeek's checkpoints
+    and Megatron), projected back to `dim` and through one block (an MoE block where the
+    model's last one is); `norm` then the model's shared output layer give the logits of the
+    token one place further still."""
+
+    def __init__(self, config: DeepSeekConfig):
+        super().__init__()
+        self.enorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.hnorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.block = DeepSeekBlock(config, config.n_layers)
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, documents=None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return self.block(x, rope, documents=documents)
+
+
+def roll_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:
+    """[B, S, ...] moved `shift` places towards the start along S, zeros coming in at the end
+    (Megatron's roll of the MTP inputs, labels and loss mask)."""
+    out = torch.zeros_like(tensor)
+    out[:, :tensor.shape[1] - shift] = tensor[:, shift:]
+    return out
+
+
 class DeepSeek(Decoder):
-    """DeepSeek-V3-style decoder (models/deepseek/config.py)."""
+    """DeepSeek-V3-style decoder (models/deepseek/config.py), with `mtp_num_layers` depths of
+    multi-token prediction trained beside the next-token loss.
+
+    Training (labels given, grad enabled, `train()` mode) adds depth k's loss, the cross
+    entropy of predicting token i + k + 1 at position i over the positions the loss mask rolled
+    left by k keeps, averaged over those positions and times mtp_loss_scaling_factor / depths;
+    the loss is attached to the logits (its gradient flows in the same backward) and its value
+    recorded in `mtp_stats`. `mtp_scales` (set per step by the MTP run-time hook) replaces
+    each depth's local average by the whole global batch's, as the next-token loss is averaged.
+    Generation never runs the MTP modules."""
 
     def __init__(self, config: DeepSeekConfig):
         super().__init__()
@@ -133,9 +172,41 @@ class DeepSeek(Decoder):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = nn.ModuleList(MultiTokenPrediction(config) for _ in range(config.mtp_num_layers)) \
+            if config.mtp_num_layers else None
+        self.mtp_scales: list[torch.Tensor | float] | None = None
+        self.mtp_stats: dict[str, torch.Tensor] = {}
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
 
     def _rope_cache(self, device=None) -> torch.Tensor:
         c = self.config
         return deepseek_rope_cache(c.max_seq_len, c.qk_rope_head_dim, c.rope_theta, c.yarn, device=device)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab] (Decoder.forward); with `labels` (and `loss_mask`) while
+        training, the multi-token-prediction loss rides on them (see the class docstring)."""
+        h, rope, documents = self.trunk(tokens, position_ids, cache, document_ids)
+        logits = self.head(h)
+        if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
+            mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+            logits = _AttachLoss.apply(logits, self._mtp_loss(h, tokens, rope, documents, labels, mask), 1.0)
+        return logits
+
+    def _mtp_loss(self, h, tokens, rope, documents, labels, mask) -> torch.Tensor:
+        factor = self.config.mtp_loss_scaling_factor / len(self.mtp)
+        counting = torch._C._current_graph_task_id() == -1  # not when full recompute reruns this in backward
+        total = torch.zeros((), device=h.device)
+        for depth, module in enumerate(self.mtp, start=1):
+            h = module(h, self.tok_embeddings(roll_left(tokens, depth)), rope, documents)
+            losses = per_token_cross_entropy(self.output(module.norm(h)), roll_left(labels, depth))
+            kept = roll_left(mask, depth)
+            summed = (losses * kept).sum()
+            if counting:
+                for key, value in ((f"sum{depth}", summed.detach()), (f"count{depth}", kept.sum())):
+                    self.mtp_stats[key] = self.mtp_stats.get(key, 0.0) + value
+            scale = self.mtp_scales[depth - 1] if self.mtp_scales is not None else factor / kept.sum().clamp(min=1.0)
+            total = total + summed.float() * scale
+        return total
 

@@ -14,11 +14,15 @@ def deepseek_flops_per_token(config: DeepSeekConfig, seq_length: int) -> float:
     """Model FLOPs per trained token: 6 x the parameters a token passes through (its top-k
     experts; not the input lookup) + MLA's scores and values, 6 x layers x seq x heads x
     (qk_head_dim + v_head_dim) (the Llama's 12 x layers x dim x seq when both head dims are
-    dim / heads)."""
+    dim / heads); each multi-token-prediction depth adds its block, its projection and the
+    shared output layer's GEMM once more."""
     embedding = config.vocab_size * config.dim
     dense = config.num_active_params() - (0 if config.tie_embeddings else embedding)
-    attention = 6.0 * config.n_layers * seq_length * config.n_heads * (config.qk_head_dim + config.v_head_dim)
-    return 6.0 * dense + attention
+    per_block_attention = 6.0 * seq_length * config.n_heads * (config.qk_head_dim + config.v_head_dim)
+    # each MTP depth: one more block, its 2D -> D projection and the shared output layer again
+    mtp = config.num_active_params(with_mtp=True) - config.num_active_params() + embedding
+    return 6.0 * dense + config.n_layers * per_block_attention + config.mtp_num_layers * per_block_attention + \
+        (6.0 * mtp if config.mtp_num_layers else 0.0)
 
 
 def deepseek_config_to_dict(config: DeepSeekConfig) -> dict:

@@ -16,9 +16,11 @@ from dtmega.models.deepseek import DeepSeek, DeepSeekConfig
 from dtmega.models.deepseek.mtp_runtime import MTPRuntime
 from dtmega.models.moe import moe_layers
 from dtmega.passes import (
+    Compile,
     ContextParallel,
     DataParallel,
     ExpertParallel,
+    FuseKernels,
     PipelineSplit,
     PlanError,
     Recompute,
@@ -58,6 +60,10 @@ PLANS = {
     "ep4_groups_flex": (dict(ep=4), [ExpertParallel(dispatcher="flex"), DataParallel("fsdp")]),
     "fsdp2": (dict(dp_shard=2), [DataParallel("fsdp")]),
     "cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DataParallel("fsdp")]),
+    "cp2_all_gather": (dict(cp=2), [ContextParallel(method="all_gather"), DataParallel("fsdp")]),
+    "cp2_a2a": (dict(cp=2), [ContextParallel(method="a2a"), DataParallel("fsdp")]),
+    "full_recompute_fsdp2": (dict(dp_shard=2), [Recompute("full"), DataParallel("fsdp")]),
+    "compiled_fused": (dict(), [FuseKernels(), Compile("aot_eager")]),
     "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
     "selective_recompute_tp2": (dict(tp=2), [TensorParallel(), SequenceParallel(), Recompute("selective")]),
 }

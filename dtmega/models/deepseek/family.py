@@ -16,7 +16,7 @@ from torch import nn
 
 import dtmega.models.deepseek.tp_style  # noqa: F401  (registers the "shared_across_heads" style)
 from dtmega.models.deepseek.model import DeepSeek
-from dtmega.models.llama.family import FEED_FORWARD_TP_RULES, SP_RULES, _install_dispatcher, _runtime_hooks
+from dtmega.models.llama.family import _install_dispatcher, _runtime_hooks
 from dtmega.models.moe import moe_layers
 from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
 from dtmega.passes.families.base import LatentAttentionFacts
@@ -67,9 +67,23 @@ DTMEGA_DEEPSEEK = register_family(
             Rule("layers.*.attention.wkv_b", "colwise"),
             Rule("layers.*.attention.wo", "rowwise"),
             Rule("layers.*.attention.rotary_key", "shared_across_heads"),
-            *FEED_FORWARD_TP_RULES,
+            Rule("layers.*.feed_forward.w1", "colwise"),
+            Rule("layers.*.feed_forward.w3", "colwise"),
+            Rule("layers.*.feed_forward.w2", "rowwise"),
+            Rule("layers.*.feed_forward", "moe", module_type="MoE"),
+            Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+            Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
+            Rule("output", "output"),
         ),
-        sp_rules=SP_RULES,
+        sp_rules=(
+            Rule("layers.*.attention_norm", "sequence_norm"),
+            Rule("layers.*.ffn_norm", "sequence_norm"),
+            Rule("norm", "sequence_norm"),
+            Rule("layers.*.attention", "gather_input", options={"args": 2}),
+            Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
+        ),
         logits=_logits,
         attention_core="attention.core",
         document_kwarg="document_ids",

@@ -18,9 +18,10 @@ from dtmega.kernels.cross_entropy import per_token_cross_entropy
 from dtmega.models.decoder import Decoder
 from dtmega.models.deepseek.config import DeepSeekConfig
 from dtmega.models.deepseek.rope import deepseek_rope_cache
+from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
-from dtmega.models.llama.model import CoreAttention, TransformerBlock
-from dtmega.models.moe import _AttachLoss
+from dtmega.models.llama.model import CoreAttention
+from dtmega.models.moe import MoE, _AttachLoss
 from dtmega.models.rope import apply_rope
 
 
@@ -102,10 +103,23 @@ class MultiLatentAttention(nn.Module):
         return self.wo(out.reshape(batch, seq, -1))
 
 
-class DeepSeekBlock(TransformerBlock):
-    """The Llama's pre-norm residual block with MLA: a dense SwiGLU (the first blocks) or the MoE."""
+class DeepSeekBlock(nn.Module):
+    """Pre-norm residual block: MLA, then a dense SwiGLU (the first blocks) or the MoE."""
 
-    attention_class = MultiLatentAttention
+    def __init__(self, config: DeepSeekConfig, index: int = 0):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = MultiLatentAttention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        if config.moe is not None and config.moe.is_moe_layer(index):
+            self.feed_forward: nn.Module = MoE(config.dim, config.moe)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
+                documents=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class MultiTokenPrediction(nn.Module):

@@ -88,30 +88,6 @@ def _install_dispatcher(moe: nn.Module, dispatcher) -> None:
     moe.dispatcher = dispatcher
 
 
-# The feed-forward, output and sequence-parallel rules every dtmega decoder family shares (the
-# Llama's and DeepSeek's blocks differ in their attention only).
-FEED_FORWARD_TP_RULES = (
-    Rule("layers.*.feed_forward.w1", "colwise"),
-    Rule("layers.*.feed_forward.w3", "colwise"),
-    Rule("layers.*.feed_forward.w2", "rowwise"),
-    # Mixture-of-experts blocks: experts split on their hidden dim (Megatron's expert tensor
-    # parallelism = TP), shared experts as a dense MLP, router replicated.
-    Rule("layers.*.feed_forward", "moe", module_type="MoE"),
-    Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
-    Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
-    Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
-    Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
-    Rule("output", "output"),
-)
-SP_RULES = (
-    Rule("layers.*.attention_norm", "sequence_norm"),
-    Rule("layers.*.ffn_norm", "sequence_norm"),
-    Rule("norm", "sequence_norm"),
-    Rule("layers.*.attention", "gather_input", options={"args": 2}),
-    Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
-)
-
-
 DTMEGA_LLAMA = register_family(
     ModelFamily(
         name="dtmega-llama",
@@ -123,9 +99,25 @@ DTMEGA_LLAMA = register_family(
             Rule("layers.*.attention.wk", "colwise"),
             Rule("layers.*.attention.wv", "colwise"),
             Rule("layers.*.attention.wo", "rowwise"),
-            *FEED_FORWARD_TP_RULES,
+            Rule("layers.*.feed_forward.w1", "colwise"),
+            Rule("layers.*.feed_forward.w3", "colwise"),
+            Rule("layers.*.feed_forward.w2", "rowwise"),
+            # Mixture-of-experts blocks: experts split on their hidden dim (Megatron's expert
+            # tensor parallelism = TP), shared experts as a dense MLP, router replicated.
+            Rule("layers.*.feed_forward", "moe", module_type="MoE"),
+            Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+            Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
+            Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
+            Rule("output", "output"),
         ),
-        sp_rules=SP_RULES,
+        sp_rules=(
+            Rule("layers.*.attention_norm", "sequence_norm"),
+            Rule("layers.*.ffn_norm", "sequence_norm"),
+            Rule("norm", "sequence_norm"),
+            Rule("layers.*.attention", "gather_input", options={"args": 2}),
+            Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
+        ),
         logits=_logits,
         attention_core="attention.core",
         document_kwarg="document_ids",

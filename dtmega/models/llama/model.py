@@ -82,15 +82,12 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP (a mixture of experts on MoE layers). A
-    family with another attention (DeepSeek's MLA) subclasses it with its `attention_class`."""
-
-    attention_class: type[nn.Module] = Attention
+    """Pre-norm residual block: attention then MLP (a mixture of experts on MoE layers)."""
 
     def __init__(self, config: LlamaConfig, index: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = self.attention_class(config)
+        self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         if config.moe is not None and config.moe.is_moe_layer(index):
             self.feed_forward: nn.Module = MoE(config.dim, config.moe)

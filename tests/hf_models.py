@@ -57,3 +57,104 @@ def save_tiny_mixtral(directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     _tokenizer(directory)
     return directory
+
+
+def tiny_deepseek_v3_config(**overrides):
+    """transformers' DeepseekV3Config with every feature on, small: low-rank queries, YaRN RoPE
+    with mscale, 4 groups (top-2), a shared expert, a dense first block, untied output."""
+    from transformers import DeepseekV3Config
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4,
+        topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=256, rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 0.8},
+    )
+    settings.update(overrides)
+    return DeepseekV3Config(**settings)
+
+
+def save_tiny_deepseek_v3(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A 3-block DeepseekV3ForCausalLM saved by transformers (no MTP layer: transformers saves
+    none, though the config keeps num_nextn_predict_layers=1), in shards with an index; random
+    router weights and expert biases (transformers starts both at zero: random ones route more)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float().eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "mlp.gate.weight" in name:
+                tensor.normal_(0, 0.5)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.uniform_(-0.3, 0.3)
+    model.save_pretrained(directory, max_shard_size="200KB")
+    _tokenizer(directory)
+    return directory
+
+
+def quantize_fp8_blocks(source: Path, directory: Path, block: int = 16) -> Path:
+    """`source` (an HF model directory) as DeepSeek-V3 stores its weights: every linear layer's
+    weight in float8_e4m3 with a float32 `weight_scale_inv` per block x block tile (amax / 448),
+    the embedding, output layer, router and norms as they were; `quantization_config` says so.
+    A small block makes the tiny model's tiles cross every shard boundary."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    tensors = {}
+    index = source / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(source / file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    out = {}
+    for name, tensor in tensors.items():
+        linear = tensor.dim() == 2 and ("self_attn." in name or ".mlp." in name) and "mlp.gate." not in name
+        if not linear:
+            out[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        tiles = tensor.new_zeros(-(-rows // block) * block, -(-cols // block) * block)
+        tiles[:rows, :cols] = tensor
+        tiles = tiles.view(tiles.shape[0] // block, block, tiles.shape[1] // block, block)
+        scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+        out[name] = (tensor / expanded).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.float().contiguous()
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((source / name).read_bytes())
+    return directory
+
+
+def dequantized_fp8(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a `quantize_fp8_blocks` directory as the checkpoint means it: an fp8
+    weight times its tile's scale, in float32 (the rule written once more, independently of
+    dtmega's reader)."""
+    from safetensors import safe_open
+
+    block = json.loads((directory / "config.json").read_text())["quantization_config"]["weight_block_size"][0]
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale = tensors[name + "_scale_inv"]
+            tensor = tensor.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[
+                :tensor.shape[0], :tensor.shape[1]]
+        out[name] = tensor
+    return out

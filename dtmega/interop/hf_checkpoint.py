@@ -1,13 +1,18 @@
 """A Hugging Face checkpoint directory, opened and checked before any weight is read, and loaded
 into a dtmega model sharded by any plan.
 
-`HFCheckpoint.open(dir)` reads `config.json` (mapped to a LlamaConfig, hf_config.py), the
-safetensors index (`model.safetensors.index.json`, or one `model.safetensors`), every shard's
+`HFCheckpoint.open(dir)` reads `config.json` (mapped by its architecture to a dtmega model's
+config: the Llama family and Mixtral, or DeepSeek-V3; hf_architectures.py), the safetensors
+index (`model.safetensors.index.json`, or one `model.safetensors`), every shard's
 header (names, shapes, dtypes: a few KiB each) and the tokenizer, and checks them against each
 other: a shard the index names but the directory lacks, a tensor the model needs but no shard
 holds, a shape that disagrees with the config, a tokenizer larger than the embedding. Each is an
 HFFormatError naming the file and the fix, raised on every rank alike before any allocation.
 `load_into(module)` then fills the module's (sharded) tensors through DCP (hf_reader.py).
+
+FP8 block-quantized checkpoints (DeepSeek-V3's own: `quantization_config.quant_method = "fp8"`,
+float8_e4m3 weights with a float32 `weight_scale_inv` per 128 x 128 block) are dequantized as
+they are read, each rank only its regions: weight x its block's scale, in float32.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,11 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dtmega.checkpoint_reader import DataOnlyLoadPlanner, is_file_name
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
+from dtmega.interop.hf_architectures import HFArchitecture, architecture_of
 from dtmega.interop.hf_reader import HFSafetensorsReader
-from dtmega.models.llama import Llama
-from dtmega.models.llama.config import LlamaConfig
-from dtmega.models.llama.hf_config import HFFormatError, llama_config_from_hf
-from dtmega.models.llama.hf_names import WeightSource, hf_source
+from dtmega.models.llama.hf_config import HFFormatError
+from dtmega.models.llama.hf_names import WeightSource
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -40,15 +45,32 @@ SINGLE = "model.safetensors"
 # it again writes the same config, generation settings, tokenizer settings and chat template.
 KEPT_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
               "chat_template.jinja")
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "F8_E4M3": torch.float8_e4m3fn}
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's FP8 checkpoints: `<name>.weight_scale_inv` beside `<name>.weight`
 
 
-def model_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def model_shapes(architecture: HFArchitecture, config: Any) -> dict[str, tuple[int, ...]]:
     """Every dtmega tensor's global shape for `config`, from the model built on the meta device
     (no arithmetic of our own to disagree with the model)."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = architecture.build(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def fp8_block(hf_config: dict, source: str) -> tuple[int, int] | None:
+    """The (rows, columns) of an FP8 checkpoint's scale blocks, None for an unquantized one; a
+    quantization dtmega does not read is refused with the fix."""
+    quantization = hf_config.get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method")
+    if method != "fp8" or quantization.get("fmt", "e4m3") != "e4m3":
+        raise HFFormatError(f"{source}: quantization_config {method!r} ({quantization.get('fmt')}) is not read by dtmega "
+                            "(it dequantizes block-scaled fp8 e4m3, DeepSeek-V3's format). Fix: a bf16/fp32 "
+                            "checkpoint of the model")
+    rows, cols = quantization.get("weight_block_size") or (128, 128)
+    return int(rows), int(cols)
 
 
 @dataclass
@@ -57,12 +79,20 @@ class HFCheckpoint:
 
     path: Path
     hf_config: dict
-    config: LlamaConfig
+    architecture: HFArchitecture
+    config: Any  # the dtmega model's (LlamaConfig, DeepSeekConfig)
     tokenizer: Tokenizer
     files: dict[str, Path]  # HF tensor name -> its safetensors file
     shapes: dict[str, tuple[int, ...]]  # HF tensor name -> shape
     dtypes: dict[str, torch.dtype]
     kept: dict[str, str] = field(default_factory=dict)  # KEPT_FILES present, as text
+    block: tuple[int, int] | None = None  # FP8 scale blocks (rows, columns); None: not quantized
+    notes: list[str] = field(default_factory=list)  # what the load changed, for the user
+
+    @property
+    def model(self) -> str:
+        """The dtmega model spec this checkpoint loads as."""
+        return self.architecture.model
 
     @classmethod
     def open(cls, path: str | Path, tokenizer_model: str | None = None,
@@ -81,26 +111,47 @@ class HFCheckpoint:
             hf_config = json.loads(config_file.read_text())
         except json.JSONDecodeError as error:
             raise HFFormatError(f"{config_file} is not JSON ({error})") from None
-        config = llama_config_from_hf(hf_config, str(config_file))
+        architecture = architecture_of(hf_config, str(config_file))
+        config = architecture.config_from_hf(hf_config, str(config_file))
+        block = fp8_block(hf_config, str(config_file))
         files = _index(path)
-        shapes, dtypes = _headers(files)
-        checkpoint = cls(path, hf_config, config, _tokenizer(path, tokenizer_model, tokenizer, config), files, shapes,
-                         dtypes,
-                         {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()})
+        shapes, dtypes = _headers(files, block is not None)
+        config, notes = _mtp_layers_present(config, set(files), path)
+        checkpoint = cls(path, hf_config, architecture, config, _tokenizer(path, tokenizer_model, tokenizer, config),
+                         files, shapes, dtypes,
+                         {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()},
+                         block, notes)
         checkpoint.sources()  # every tensor present with the config's shape
         return checkpoint
 
-    def sources(self, config: LlamaConfig | None = None) -> dict[str, WeightSource]:
+    def scale_of(self, name: str) -> str | None:
+        """The `weight_scale_inv` tensor of an FP8 tensor `name`, None for a tensor not quantized."""
+        return name + SCALE_SUFFIX if self.dtypes.get(name) == torch.float8_e4m3fn else None
+
+    def _check_scale(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why the FP8 tensor `name`'s scale is unusable (absent, or not one per block), or None."""
+        scale = self.scale_of(name)
+        if scale is None:
+            return None
+        if scale not in self.shapes:
+            return f"{name} is fp8 but the shards hold no {scale}"
+        rows, cols = self.block
+        want = (-(-shape[0] // rows), -(-shape[1] // cols)) if len(shape) == 2 else None
+        if want is None or self.shapes[scale] != want:
+            return f"{scale}: {list(self.shapes[scale])}, one scale per {rows} x {cols} block of {list(shape)} is {want}"
+        return None
+
+    def sources(self, config: Any | None = None) -> dict[str, WeightSource]:
         """dtmega name -> where it is read from, checked against the files: each HF tensor exists,
         with the shape the config gives it. `config`: the model's, when it differs from the
         checkpoint's by untied embeddings (the output layer then starts as a copy of the
         embedding)."""
         config = config or self.config
-        expected = model_shapes(config)
+        expected = model_shapes(self.architecture, config)
         sources, missing, wrong = {}, [], []
         names = set(self.files)
         for name, shape in expected.items():
-            source = hf_source(name, config, names)
+            source = self.architecture.source(name, config, names, self.hf_config)
             sources[name] = source
             want = shape[1:] if source.stacked else shape
             for hf in source.names:
@@ -109,6 +160,10 @@ class HFCheckpoint:
                 elif self.shapes[hf] != tuple(want):
                     wrong.append(f"{hf}: {list(self.shapes[hf])} in {self.files[hf].name}, the config gives "
                                  f"{list(want)}")
+                else:
+                    problem = self._check_scale(hf, tuple(want))
+                    if problem:
+                        wrong.append(problem)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise HFFormatError(f"{self.path}: the model needs tensors no shard holds: {', '.join(missing[:5])}{more}. "
@@ -117,8 +172,9 @@ class HFCheckpoint:
             raise HFFormatError(f"{self.path}: tensor shapes disagree with config.json:\n  " + "\n  ".join(wrong[:10])
                                 + "\nFix: the config.json that belongs to these weights")
         used = {hf for source in sources.values() for hf in source.names}
-        tied = self.config.tie_embeddings or config.tie_embeddings
-        unused = sorted(name for name in names - used if not _harmless_extra(name, tied))
+        used |= {self.scale_of(hf) for hf in used if self.scale_of(hf)}
+        tied = config.replace(tie_embeddings=self.config.tie_embeddings or config.tie_embeddings)
+        unused = sorted(name for name in names - used if not self.architecture.harmless(name, tied))
         if unused:
             more = f" (and {len(unused) - 6} more)" if len(unused) > 6 else ""
             raise HFFormatError(
@@ -128,20 +184,24 @@ class HFCheckpoint:
                 "num_local_experts or tie_word_embeddings)")
         return sources
 
-    def load_into(self, module: torch.nn.Module, config: LlamaConfig | None = None) -> None:
-        """Fills `module` (a dtmega Llama, sharded by any plan, materialized; under pipeline
+    def load_into(self, module: torch.nn.Module, config: Any | None = None) -> None:
+        """Fills `module` (the dtmega model of `self.model`, sharded by any plan, materialized; under pipeline
         parallelism this rank's stages) with the checkpoint's weights. Each rank reads its own
         regions only, with no collective. `config`: the module's, if it unties the checkpoint's
         tied embeddings (pipeline parallelism: the output layer lives on the last stage)."""
         config = config or self.config
-        if config.replace(tie_embeddings=self.config.tie_embeddings) != self.config:
-            raise HFFormatError("the model's config differs from the checkpoint's beyond untied embeddings")
+        shapes = model_shapes(self.architecture, config)
+        if shapes != model_shapes(self.architecture, self.config):  # routing or loss settings may differ; weights not
+            raise HFFormatError("the model's tensors differ from the checkpoint's (names or shapes): its config must "
+                                "be the checkpoint's, up to untied embeddings and settings without weights")
         state = get_model_state_dict(module)
         sources = self.sources(config)
-        shapes = model_shapes(config)
+        read = {hf for source in sources.values() for hf in source.names}
+        scales = {hf: self.scale_of(hf) for hf in read if self.scale_of(hf)}
         reader = HFSafetensorsReader(
-            {hf: self.files[hf] for source in sources.values() for hf in source.names}, sources, shapes,
-            {name: self.dtypes[sources[name].names[0]] for name in shapes},
+            {hf: self.files[hf] for hf in read | set(scales.values())}, sources, shapes,
+            {name: _stored_dtype(self.dtypes[sources[name].names[0]]) for name in shapes},
+            scales=scales, block=self.block,
         )
         # no_dist: every rank plans and reads its own regions from the files; the reader needs
         # no coordination, so loading takes no collective (any subset of ranks may load, e.g.
@@ -152,10 +212,27 @@ class HFCheckpoint:
         set_model_state_dict(module, state, options=StateDictOptions(strict=True))
 
 
-def _harmless_extra(name: str, tied: bool) -> bool:
-    """Tensors transformers itself ignores: RoPE's cached frequencies (older checkpoints saved
-    them) and a tied model's copy of the embedding as `lm_head.weight`."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied)
+def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is presented in to DCP: an fp8 one dequantized to float32."""
+    return torch.float32 if dtype == torch.float8_e4m3fn else dtype
+
+
+def _mtp_layers_present(config: Any, names: set[str], path: Path) -> tuple[Any, list[str]]:
+    """A DeepSeek config whose `num_nextn_predict_layers` the files do not hold (transformers'
+    DeepseekV3ForCausalLM saves no MTP layer; DeepSeek's own checkpoints do): the model is built
+    with the depths present, and a note says so."""
+    depths = getattr(config, "mtp_num_layers", 0)
+    if not depths:
+        return config, []
+    present = sum(f"model.layers.{config.n_layers + depth}.eh_proj.weight" in names for depth in range(depths))
+    if present == depths:
+        return config, []
+    if present:
+        raise HFFormatError(f"{path}: config.json names {depths} multi-token-prediction layers and the shards hold "
+                            f"{present} of them. Fix: a complete checkpoint")
+    note = (f"{path} holds no multi-token-prediction layer (config.json's num_nextn_predict_layers={depths}; "
+            "transformers saves none): the model is loaded without them")
+    return config.replace(mtp_num_layers=0), [note]
 
 
 def _index(path: Path) -> dict[str, Path]:
@@ -189,7 +266,7 @@ def _index(path: Path) -> dict[str, Path]:
                         "(transformers' save_pretrained does by default)")
 
 
-def _headers(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+def _headers(files: dict[str, Path], quantized: bool) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         try:
@@ -205,14 +282,15 @@ def _headers(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[s
                 piece = handle.get_slice(name)
                 shapes[name] = tuple(piece.get_shape())
                 kind = piece.get_dtype()
-                if kind not in _DTYPES:
-                    raise HFFormatError(f"{file.name}: {name} is {kind}; dtmega reads F32, F16, BF16 and F64 weights "
-                                        "(a quantized checkpoint must be dequantized first)")
+                if kind not in _DTYPES or (kind == "F8_E4M3" and not quantized):
+                    raise HFFormatError(f"{file.name}: {name} is {kind}; dtmega reads F32, F16, BF16 and F64 weights, "
+                                        "and F8_E4M3 ones with block scales (quantization_config quant_method "
+                                        "'fp8'). Fix: a dequantized checkpoint, or the config.json that belongs to it")
                 dtypes[name] = _DTYPES[kind]
     return shapes, dtypes
 
 
-def _tokenizer(path: Path, tokenizer_model: str | None, tokenizer: Tokenizer | None, config: LlamaConfig) -> Tokenizer:
+def _tokenizer(path: Path, tokenizer_model: str | None, tokenizer: Tokenizer | None, config: Any) -> Tokenizer:
     source = "--tokenizer-type/--tokenizer-model" if tokenizer is not None else tokenizer_model or str(path)
     if tokenizer is None:
         tokenizer = tokenizer_from_path(source)  # a directory's end-of-document token is its eos_token

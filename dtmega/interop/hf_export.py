@@ -6,7 +6,7 @@ The output holds `model-0000k-of-0000n.safetensors` shards of at most `max_shard
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged. Only one shard's
 tensors are in memory at a time: each is read from the DCP checkpoint by name
 (`dcp.load` of those keys, resharded from however it was saved), laid out as HF wants
-(dtmega/models/llama/hf_names.py), cast to the output dtype and written. Everything goes to `OUT.partial` first,
+(the architecture's name map, hf_architectures.py), cast to the output dtype and written. Everything goes to `OUT.partial` first,
 renamed to OUT at the end: a failed export leaves no half-written model behind, and an OUT
 that exists is refused rather than overwritten.
 """
@@ -30,9 +30,8 @@ from dtmega.data.tokenizers import (
     SentencePieceTokenizer,
     tokenizer_from_json,
 )
-from dtmega.models.llama.config import LlamaConfig
-from dtmega.models.llama.hf_config import HFFormatError, hf_config_from_llama
-from dtmega.models.llama.hf_names import hf_tensors
+from dtmega.interop.hf_architectures import architecture_of_family
+from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.train.checkpoint import TOKENIZER, read_state, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,16 +74,16 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
     from dtmega.models import model_spec
 
     spec = model_spec(state.get("model", "llama"))
-    if spec.family != "dtmega-llama":
-        raise HFFormatError(f"{checkpoint} holds a {spec.name!r} model ({spec.family}); dtmega exports its own "
-                            "Llama family (dtmega-llama) to Hugging Face")
-    config: LlamaConfig = spec.config_from_dict(state["model_config"])
+    architecture = architecture_of_family(spec.family, f"{checkpoint} ({spec.name!r})")
+    config = spec.config_from_dict(state["model_config"])
     kept = state.get("hf_files", {})
     base = json.loads(kept["config.json"]) if "config.json" in kept else None
     dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
     if dtype not in DTYPES:
         raise HFFormatError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-    hf_config = hf_config_from_llama(config, base, dtype)  # refuses a model Mixtral cannot express, first
+    # the weights written are dequantized: the source's quantization (and its config.json text) no longer apply
+    quantized = base is not None and base.pop("quantization_config", None) is not None
+    hf_config = architecture.hf_config(config, base, dtype)  # refuses a model the architecture cannot express, first
     tokenizer = tokenizer_from_json((checkpoint / TOKENIZER).read_text(), state.get("tokenizer", {}).get("eod_token"))
     sizes = _model_sizes(checkpoint)
     if config.tie_embeddings:
@@ -102,7 +101,7 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
             load_dcp(full, checkpoint, no_dist=True)
         tensors = {}
         for name in names:
-            for hf_name, tensor in hf_tensors(name, full["model"][name], config).items():
+            for hf_name, tensor in architecture.tensors(name, full["model"][name], config).items():
                 tensors[hf_name] = tensor.to(DTYPES[dtype]).contiguous()
         del full
         save_file(tensors, str(partial / file), metadata={"format": "pt"})
@@ -115,7 +114,7 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     _write_tokenizer(partial, tokenizer, kept, config)
     hf_config.setdefault("eos_token_id", tokenizer.eod)
-    (partial / "config.json").write_text(kept["config.json"] if base == hf_config and "config.json" in kept
+    (partial / "config.json").write_text(kept["config.json"] if base == hf_config and not quantized and "config.json" in kept
                                          else json.dumps(hf_config, indent=2) + "\n")
     generation = kept.get("generation_config.json") or json.dumps(
         {"eos_token_id": tokenizer.eod, "transformers_version": hf_config.get("transformers_version", "5.0.0")},
@@ -127,7 +126,7 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
     return out
 
 
-def _write_tokenizer(directory: Path, tokenizer, kept: dict[str, str], config: LlamaConfig) -> None:
+def _write_tokenizer(directory: Path, tokenizer, kept: dict[str, str], config) -> None:
     """tokenizer.json (or tokenizer.model) and the settings files transformers' AutoTokenizer
     reads; the source model's own settings when the checkpoint kept them."""
     if isinstance(tokenizer, ByteTokenizer):  # as a byte-level BPE without merges: the same ids

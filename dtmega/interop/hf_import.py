@@ -10,7 +10,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from dtmega.interop.hf_checkpoint import HFCheckpoint
-from dtmega.models.llama.specs import llama_config_to_dict
 
 # The sequence length commands default to for an HF model (its `args.seq_length`): its context,
 # capped so that `dtmega evaluate` of a 128K-context model does not default to 128K windows.
@@ -18,11 +17,15 @@ DEFAULT_SEQ_LENGTH = 2048
 
 
 def hf_state(checkpoint: HFCheckpoint) -> dict:
-    """The state.json an HF model stands for: iteration 0, dtmega's Llama with the HF config,
-    the tokenizer's end-of-document token, and the source's small files kept for export."""
+    """The state.json an HF model stands for: iteration 0, the dtmega model of its architecture
+    with the HF config, the tokenizer's end-of-document token, and the source's small files kept
+    for export."""
+    from dtmega.models import model_spec
+
     tokenizer = checkpoint.tokenizer
+    config_dict = model_spec(checkpoint.model).config_to_dict(checkpoint.config)
     return {
-        "iteration": 0, "consumed_samples": 0, "model": "llama", "model_config": llama_config_to_dict(checkpoint.config),
+        "iteration": 0, "consumed_samples": 0, "model": checkpoint.model, "model_config": config_dict,
         "args": {"seq_length": min(checkpoint.config.max_seq_len, DEFAULT_SEQ_LENGTH)},
         "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(checkpoint.path),
                       "eod_token": getattr(tokenizer, "eod_token", None)},
@@ -53,7 +56,6 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     model; under torchrun the ranks shard it (FSDP over the world) and each writes its part."""
     import dtmega
     from dtmega.mesh import default_device_type
-    from dtmega.models.llama import Llama
     from dtmega.passes import DataParallel, Plan
     from dtmega.train.checkpoint import save_checkpoint
     from dtmega.train.save_ownership import new_run_id
@@ -61,11 +63,16 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     on_phase = on_phase or (lambda name: None)
     on_phase("checking the Hugging Face files")
     checkpoint = HFCheckpoint.open(hf_dir, tokenizer_model)
+    if checkpoint.notes and (not dist.is_initialized() or dist.get_rank() == 0):
+        from dtmega.printing import console
+
+        for note in checkpoint.notes:
+            console().print(f"[dim]note: {note}[/dim]", highlight=False)
     on_phase("building the model")
     import torch
 
     with torch.device("meta"):
-        model = Llama(checkpoint.config)
+        model = checkpoint.architecture.build(checkpoint.config)
     mesh = dtmega.make_mesh(dp_shard=-1, device_type=default_device_type())  # every rank of the launch
     world = dist.get_world_size()
     pm = dtmega.parallelize(model, mesh, Plan([DataParallel("fsdp")] if world > 1 else []))

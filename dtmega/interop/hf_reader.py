@@ -6,8 +6,9 @@ a pipeline stage's plain tensor), which region of the stored tensor it needs; th
 answers each request by slicing the safetensors files (`safe_open(...).get_slice`), so a rank
 reads only what it owns and no rank ever holds the whole model. Two requests need more than a
 slice: RoPE-permuted q/k rows (the heads the rows touch are read and reordered,
-`hf_layout.hf_rows_to_dtmega`) and Mixtral's experts (dtmega's [experts, ...] tensor is one HF
-tensor per expert: the rank's experts are read and stacked).
+`WeightSource.reorder`) and routed experts (dtmega's [experts, ...] tensor is one HF tensor per
+expert: the rank's experts are read and stacked). An fp8 tensor with block scales (`scales`) is
+dequantized region by region: the region's weights times the scales of the blocks it touches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dtmega.models.llama.hf_names import WeightSource, hf_rows_to_dtmega
+from dtmega.models.llama.hf_names import WeightSource
 
 
 class HFSafetensorsReader(StorageReader):
@@ -36,9 +37,11 @@ class HFSafetensorsReader(StorageReader):
     name -> file path) as tensors of `shapes` (dtmega name -> global shape) and `dtypes`."""
 
     def __init__(self, files: dict[str, Path], sources: dict[str, WeightSource],
-                 shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]):
+                 shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+                 scales: dict[str, str] | None = None, block: tuple[int, int] | None = None):
         super().__init__()
         self.files, self.sources, self.shapes, self.dtypes = files, sources, shapes, dtypes
+        self.scales, self.block = scales or {}, block
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Nothing to reset: the reader is built for one load."""
@@ -90,7 +93,21 @@ class HFSafetensorsReader(StorageReader):
         if path not in handles:
             handles[path] = safe_open(str(path), framework="pt")
         window = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
-        return handles[path].get_slice(name)[window]
+        region = handles[path].get_slice(name)[window]
+        if name in self.scales:
+            region = self._dequantized(handles, region, self.scales[name], offsets, lengths)
+        return region
+
+    def _dequantized(self, handles: dict, region: torch.Tensor, scale_name: str, offsets: list[int],
+                     lengths: list[int]) -> torch.Tensor:
+        """An fp8 region in float32: each element times its (rows x cols) block's scale."""
+        rows, cols = self.block
+        first = [offsets[0] // rows, offsets[1] // cols]
+        last = [-(-(offsets[0] + lengths[0]) // rows), -(-(offsets[1] + lengths[1]) // cols)]
+        scale = self._slice(handles, scale_name, first, [last[0] - first[0], last[1] - first[1]]).float()
+        scale = scale.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
+        top, left = offsets[0] - first[0] * rows, offsets[1] - first[1] * cols
+        return region.float() * scale[top:top + lengths[0], left:left + lengths[1]]
 
     def _region(self, handles: dict, source: WeightSource, offsets: list[int], lengths: list[int]) -> torch.Tensor:
         if source.stacked:  # experts [first, first + count) of dtmega's stacked tensor
@@ -103,5 +120,5 @@ class HFSafetensorsReader(StorageReader):
             block = self._slice(handles, source.names[0], [first * head_dim, *offsets[1:]],
                                 [(last - first) * head_dim, *lengths[1:]])
             start = row - first * head_dim
-            return hf_rows_to_dtmega(block, last - first)[start:start + rows]
+            return source.reorder(block, last - first)[start:start + rows]
         return self._slice(handles, source.names[0], offsets, lengths)

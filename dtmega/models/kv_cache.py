@@ -6,6 +6,10 @@ import torch
 
 from dtmega.kernels.errors import DtmegaError
 
+# The model families whose blocks fill a KVCache (generation, `dtmega serve`): the Llama's keys
+# and values per KV head, DeepSeek's MLA latent and rotary key per position.
+DECODING_FAMILIES = ("dtmega-llama", "dtmega-deepseek")
+
 
 class LayerCache:
     """One block's keys and values, [B, max_len, kv_heads, head_dim] (or whatever a block caches

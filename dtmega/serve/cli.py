@@ -24,11 +24,13 @@ import uvicorn
 from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
+from dtmega.models.kv_cache import DECODING_FAMILIES
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
 from dtmega.serve.engine import Engine
 from dtmega.serve.kv_budget import (
     KVCacheSize,
+    describe_kv_cache,
     kv_budget,
     kv_bytes_per_token,
     size_kv_cache,
@@ -137,9 +139,9 @@ def main(argv: list[str]) -> None:
     check_arguments(a)
     chat = chat_template_of(a)
     head = read_source_head(a, contents=False)
-    if head.spec.family != "dtmega-llama":
-        raise DtmegaError(f"dtmega serve decodes dtmega's Llama (its KV cache); this checkpoint holds a "
-                         f"{head.spec.family} model. Fix: evaluate it with dtmega evaluate")
+    if head.spec.family not in DECODING_FAMILIES:
+        raise DtmegaError(f"dtmega serve decodes {' and '.join(DECODING_FAMILIES)} models (their KV cache); this "
+                         f"checkpoint holds a {head.spec.family} model. Fix: evaluate it with dtmega evaluate")
     size = cache_size(a, head.config, default_device_type())  # before any rank joins or any weight is read
     init_distributed()
     if dist.get_world_size() != a.tensor_model_parallel_size:
@@ -192,6 +194,8 @@ def main(argv: list[str]) -> None:
     url = f"http://{host}:{port}"
     console().print(size.describe() + (f" (--max-batch-size {a.max_batch_size}: the budget holds {size.slots})"
                                        if size.slots < a.max_batch_size else ""), highlight=False)
+    console().print(f"[dim]{describe_kv_cache(head.config, a.tensor_model_parallel_size, torch.get_default_dtype())}"
+                    "[/dim]", highlight=False)
     console().print(f"serving {name} ({context}-token context, {size.slots} sequences at a time) on {url}: "
                     f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False,
                     soft_wrap=True)  # one line at any width: scripts (and ServerProcess) read the address from it

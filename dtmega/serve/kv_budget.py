@@ -37,10 +37,26 @@ def parse_bytes(text: str) -> int:
 
 
 def kv_bytes_per_token(config, tp: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one position takes on one rank: 2 x blocks x this rank's KV
-    heads x head dim x element size."""
+    """Bytes one position's cache takes on one rank, over every block: keys and values, 2 x this
+    rank's KV heads x head dim x element size; for multi-latent attention (DeepSeek) the latent
+    and the rotary key, shared by every head and so whole on each tensor-parallel rank."""
     element = torch.tensor([], dtype=dtype).element_size()
+    if hasattr(config, "kv_cache_bytes_per_token"):  # MLA
+        return config.n_layers * config.kv_cache_bytes_per_token(element)
     return 2 * config.n_layers * (config.n_kv_heads // tp) * config.head_dim * element
+
+
+def describe_kv_cache(config, tp: int, dtype: torch.dtype) -> str:
+    """One line on what a cached position costs: its bytes on a rank, and for MLA what caching
+    keys and values per head would cost instead (the latent cache's point)."""
+    per_token = kv_bytes_per_token(config, tp, dtype)
+    line = f"KV cache: {per_token:,} bytes per token on each rank"
+    if hasattr(config, "mha_cache_bytes_per_token"):
+        element = torch.tensor([], dtype=dtype).element_size()
+        per_head = config.n_layers * config.mha_cache_bytes_per_token(element) // tp
+        line += (f" (multi-latent attention: the latent and the rotary key; per-head keys and values would take "
+                 f"{per_head:,}, {per_head / per_token:.1f}x)")
+    return line
 
 
 def weight_bytes(config, tp: int, dtype: torch.dtype) -> int:

@@ -15,9 +15,10 @@ from torch.distributed.tensor import DTensor
 
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.kernels.errors import DtmegaError
-from dtmega.models.kv_cache import KVCache
+from dtmega.models.kv_cache import DECODING_FAMILIES, KVCache
 from dtmega.printing import console
 from dtmega.progress import progress_bar
+from dtmega.serve.kv_budget import describe_kv_cache
 from dtmega.train.restore import (
     CheckpointHead,
     add_model_source,
@@ -123,10 +124,13 @@ def main(argv: list[str]) -> str:
     check_request(read_source_head(a, contents=False), a.prompt, a.max_new_tokens)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf)
-    if pm.program.facts.family != "dtmega-llama":
-        raise DtmegaError(f"dtmega generate decodes dtmega's Llama (its KV cache); this checkpoint holds a "
-                         f"{pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
+    if pm.program.facts.family not in DECODING_FAMILIES:
+        raise DtmegaError(f"dtmega generate decodes {' and '.join(DECODING_FAMILIES)} models (their KV cache); this "
+                         f"checkpoint holds a {pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
     pm.eval()
+    dtype = next(pm.module.parameters()).dtype
+    console().print(f"[dim]{describe_kv_cache(pm.module.config, a.tensor_model_parallel_size, dtype)}[/dim]",
+                    highlight=False)
     with progress_bar("generate", total=a.max_new_tokens, unit="tokens") as bar:
         text = generate(pm.module, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
                         temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,

@@ -20,7 +20,7 @@ class MegatronOnlyArgs:
     """Megatron-FSDP and the settings of not-yet-built features."""
     # sizes and counts that must be >= 1 when given
     at_least_one: ClassVar[tuple[str, ...]] = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                                               "v_head_dim", "mtp_num_layers", "moe_router_group_topk",
+                                               "v_head_dim", "moe_router_group_topk",
                                                "moe_router_num_groups")
 
     use_megatron_fsdp: bool = opt(False, "Megatron's own FSDP: = --data-parallel fsdp here (FSDP2), with "
@@ -42,15 +42,18 @@ class MegatronOnlyArgs:
                                      "raise_all", "return_unexpected", "return_all", "ignore_all"))
     recompute_modules: list[str] | None = opt(None, "modules selective recompute covers (only core_attn, Megatron's "
                                                     "default and dtmega's selective recompute, is supported)")
-    multi_latent_attention: bool = opt(False, "DeepSeek's multi-latent attention (not supported yet)")
-    q_lora_rank: int | None = opt(None, "MLA: query low-rank dimension (not supported yet)")
-    kv_lora_rank: int | None = opt(None, "MLA: key/value low-rank dimension (not supported yet)")
-    qk_head_dim: int | None = opt(None, "MLA: query/key head dimension without RoPE (not supported yet)")
-    qk_pos_emb_head_dim: int | None = opt(None, "MLA: query/key RoPE head dimension (not supported yet)")
-    v_head_dim: int | None = opt(None, "MLA: value head dimension (not supported yet)")
-    rotary_scaling_factor: float | None = opt(None, "YaRN RoPE scaling factor, with MLA (not supported yet)")
-    mscale: float | None = opt(None, "YaRN attention scale, with MLA (not supported yet)")
-    mscale_all_dim: float | None = opt(None, "YaRN attention scale over all dims, with MLA (not supported yet)")
+    multi_latent_attention: bool = opt(False, "DeepSeek's multi-latent attention: the model is dtmega's DeepSeek "
+                                              "family, sized by these flags (with --qk-layernorm)")
+    q_lora_rank: int | None = opt(None, "MLA: query latent rank (default: none, a full-rank query projection)")
+    kv_lora_rank: int | None = opt(None, "MLA: key/value latent rank (Megatron's default 32)")
+    qk_head_dim: int | None = opt(None, "MLA: query/key head dimension without RoPE (default 128)")
+    qk_pos_emb_head_dim: int | None = opt(None, "MLA: query/key RoPE head dimension (default 64)")
+    v_head_dim: int | None = opt(None, "MLA: value head dimension (default 128)")
+    rotary_scaling_factor: float | None = opt(None, "MLA: YaRN RoPE stretch factor (default 1: no stretch)")
+    mscale: float | None = opt(None, "MLA: YaRN mscale (default 1.0)")
+    mscale_all_dim: float | None = opt(None, "MLA: YaRN mscale over all dims (default 0.0)")
+    rope_type: str | None = opt(None, "MLA's RoPE: yarn (its default) or rope (only with --multi-latent-attention)",
+                                 ("rope", "yarn"))
     mtp_num_layers: int | None = opt(None, "multi-token prediction depths (DeepSeek models: --model deepseek-*)")
     mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction loss weight (DeepSeek models)")
     moe_router_group_topk: int | None = opt(None, "group-limited routing: the best groups each token's experts "

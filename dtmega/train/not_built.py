@@ -40,9 +40,21 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 
 
 def _deepseek(args) -> bool:
-    """Whether --model names a model of the DeepSeek family (multi-token prediction's home)."""
+    """Whether the run trains a model of the DeepSeek family (multi-token prediction's home):
+    --model deepseek-*, --multi-latent-attention, or --load-hf of a DeepseekV3ForCausalLM."""
+    import json
+    from pathlib import Path
+
     from dtmega.models.registry import model_spec
 
+    if args.multi_latent_attention:
+        return True
+    if args.load_hf:
+        try:
+            return json.loads((Path(args.load_hf) / "config.json").read_text()).get("architectures") == [
+                "DeepseekV3ForCausalLM"]
+        except (OSError, ValueError):
+            return False  # --load-hf's own checks name the problem
     try:
         return args.model is not None and model_spec(args.model).family == "dtmega-deepseek"
     except KeyError:
@@ -75,7 +87,7 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "one checkpoint per group of N blocks is not supported yet (each block is its own unit). Fix: "
              "--recompute-num-layers 1, or --recompute-method block"),
     NotBuilt("--kv-channels other than --hidden-size / --num-attention-heads", ("--kv-channels", "32"),
-             lambda a: bool(a.kv_channels and a.hidden_size and a.num_attention_heads
+             lambda a: bool(a.kv_channels and a.hidden_size and a.num_attention_heads and not a.multi_latent_attention
                             and a.kv_channels * a.num_attention_heads != a.hidden_size),
              "a head dimension other than the width over the heads is not supported yet. Fix: leave --kv-channels out "
              "(it is then --hidden-size / --num-attention-heads)"),
@@ -98,15 +110,17 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.moe_flex_dispatcher_backend is not None,
              "DeepEP's and HybridEP's kernels are not supported (the flex dispatcher runs as plain all-to-alls: one row "
              "per token and destination rank each way). Fix: leave --moe-flex-dispatcher-backend out"),
-    NotBuilt("--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
-             "--rotary-scaling-factor --mscale --mscale-all-dim)", ("--multi-latent-attention",),
-             lambda a: a.multi_latent_attention or any(getattr(a, name) is not None for name in _MLA_SIZES),
-             "DeepSeek's multi-latent attention (and the YaRN RoPE scaling it comes with) is not supported yet. Fix: "
-             "leave these flags out (attention is then grouped-query, --num-query-groups)"),
+    NotBuilt("--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor "
+             "--mscale --mscale-all-dim --rope-type without --multi-latent-attention", ("--kv-lora-rank", "16"),
+             lambda a: not a.multi_latent_attention and (a.rope_type is not None or any(
+                 getattr(a, name) is not None for name in _MLA_SIZES)),
+             "these flags size multi-latent attention (and its YaRN RoPE); the Llama's grouped-query attention has no "
+             "latent. Fix: add --multi-latent-attention --qk-layernorm (DeepSeek's attention), or leave them out"),
     NotBuilt("--mtp-num-layers --mtp-loss-scaling-factor without a DeepSeek model", ("--mtp-num-layers", "1"),
              lambda a: (a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None) and not _deepseek(a),
              "multi-token prediction is built for the DeepSeek family only. Fix: --model deepseek-v3 (or another "
-             "deepseek-* size), or leave --mtp-num-layers and --mtp-loss-scaling-factor out (next-token loss only)"),
+             "deepseek-* size, or --multi-latent-attention), or leave --mtp-num-layers and --mtp-loss-scaling-factor "
+             "out (next-token loss only)"),
     NotBuilt("--moe-router-dtype fp64", ("--num-experts", "4", "--moe-router-dtype", "fp64"),
              lambda a: a.moe_router_dtype == "fp64",
              "a float64 router for a lower-precision model is not supported yet (the router runs in fp32 for bf16 and "
@@ -161,8 +175,10 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "your own script does it meanwhile)"),
     NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
              "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
-    NotBuilt("--qk-layernorm", ("--qk-layernorm",), lambda a: a.qk_layernorm,
-             "normalizing queries and keys per head is not supported yet. Fix: leave the flag out"),
+    NotBuilt("--qk-layernorm without --multi-latent-attention", ("--qk-layernorm",),
+             lambda a: a.qk_layernorm and not a.multi_latent_attention,
+             "normalizing queries and keys per head is not supported yet (with --multi-latent-attention the flag "
+             "normalizes the latents, which dtmega's MLA does). Fix: leave the flag out"),
     NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),
              lambda a: a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te",
              "Transformer Engine's fused cross entropy is not supported yet. Fix: --cross-entropy-fusion-impl native "

@@ -71,6 +71,13 @@ def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
         spec = model_spec(name)
     except KeyError as error:
         raise ArgumentError(f"--model {name}: {error.args[0]}") from None
+    if args.multi_latent_attention:  # Megatron's MLA flags: dtmega's DeepSeek family, sized by them
+        if args.model:
+            raise ArgumentError(f"--model {name} with --multi-latent-attention: the preset and the flags both size the "
+                                "model. Fix: one of them (--model deepseek-v3 is multi-latent already)")
+        from dtmega.train.mla_args import mla_config
+
+        return model_spec("deepseek-v3"), mla_config(args, padded_vocab(tokenizer_vocab, args))
     if spec.size_flags:
         return spec, model_config(args, tokenizer_vocab)
     given = [f"--{flag.replace('_', '-')}" for flag in SIZE_FLAGS if getattr(args, flag)]
@@ -102,7 +109,8 @@ def _family_flags(spec: ModelSpec, config: Any, args: TrainArgs) -> Any:
 
 
 def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
-    """`--load-hf`: dtmega's Llama with the Hugging Face model's config (every shard's header and
+    """`--load-hf`: the dtmega model of the Hugging Face architecture (Llama, Mixtral, DeepSeek-V3)
+    with its config (every shard's header and
     the tokenizer checked now, before any process group or allocation). A tied model may be
     untied with --untie-embeddings-and-output-weights (pipeline parallelism needs it: the
     output layer lives on the last stage); its output layer then starts as the embedding."""
@@ -116,10 +124,17 @@ def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
     from dtmega.train.setup import tokenizer_spec
 
     # the run's tokenizer (the directory's, or --tokenizer-type's), checked against the embedding
-    config = HFCheckpoint.open(args.load_hf, tokenizer=build_tokenizer(tokenizer_spec(args))).config
+    checkpoint = HFCheckpoint.open(args.load_hf, tokenizer=build_tokenizer(tokenizer_spec(args)))
+    config, spec = checkpoint.config, model_spec(checkpoint.model)
     if args.untie_embeddings_and_output_weights and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # the output layer starts as a copy of the embedding
-    return model_spec("llama"), config
+    depths = getattr(config, "mtp_num_layers", None)
+    if args.mtp_num_layers is not None and args.mtp_num_layers != depths:
+        held = f"holds {depths}" if depths is not None else "has none (not a DeepSeek model)"
+        raise ArgumentError(f"--load-hf {args.load_hf} {held} multi-token-prediction layers; --mtp-num-layers "
+                            f"{args.mtp_num_layers} would start {'some' if depths is not None else 'them'} from no weights. "
+                            "Fix: leave --mtp-num-layers out (the checkpoint's layers are trained)")
+    return spec, _family_flags(spec, config, args)
 
 
 def layers_of(spec: ModelSpec, config: Any) -> int:

@@ -76,10 +76,11 @@ def read_hf_head(load_hf: str | Path) -> CheckpointHead:
 
 
 def hf_head(checkpoint) -> CheckpointHead:
-    """The CheckpointHead an opened HFCheckpoint stands for (dtmega's Llama, iteration 0)."""
+    """The CheckpointHead an opened HFCheckpoint stands for (the dtmega model of its
+    architecture, iteration 0)."""
     from dtmega.interop.hf_import import hf_state
 
-    return CheckpointHead(checkpoint.path, hf_state(checkpoint), model_spec("llama"), checkpoint.config,
+    return CheckpointHead(checkpoint.path, hf_state(checkpoint), model_spec(checkpoint.model), checkpoint.config,
                           checkpoint.tokenizer)
 
 

@@ -60,10 +60,20 @@ def reject_unsupported(args: TrainArgs) -> None:
 
 
 def _has_experts(args: TrainArgs) -> bool:
-    """Whether the run's model has MoE layers: Megatron's --num-experts, or a registered model
-    whose sizes come from its spec (e.g. --model deepseek-debug) with an MoE config."""
+    """Whether the run's model has MoE layers: Megatron's --num-experts, a registered model
+    whose sizes come from its spec (e.g. --model deepseek-debug) with an MoE config, or a
+    --load-hf model whose config.json has experts (Mixtral's, DeepSeek-V3's)."""
     if args.num_experts:
         return True
+    if args.load_hf:
+        import json
+        from pathlib import Path
+
+        try:
+            config = json.loads((Path(args.load_hf) / "config.json").read_text())
+        except (OSError, ValueError):
+            return False  # --load-hf's own checks name the problem
+        return bool(config.get("num_local_experts") or config.get("n_routed_experts"))
     if args.model is None:
         return False
     from dtmega.models.registry import model_spec
@@ -205,9 +215,20 @@ MOE_FLAGS = tuple(f.name for f in fields(MoEArgs) if f.name != "num_experts" and
 
 
 def _layer_pattern(text: str, n_layers: int) -> tuple[int, int]:
-    """--moe-layer-freq as (first dense blocks, frequency): 'k', or '([0]*K+[1]*M)' with K+M blocks."""
+    """--moe-layer-freq as (first dense blocks, frequency): 'k', '([0]*K+[1]*M)' with K+M blocks,
+    or Megatron's explicit list '[0, 0, 0, 1, ...]' (one 0/1 per block) of either form."""
     if text.strip().isdigit():
         return 0, int(text)
+    listed = re.fullmatch(r"\[\s*([01](?:\s*,\s*[01])*)\s*\]", text.strip())
+    if listed:
+        flags = [int(v) for v in listed.group(1).split(",")]
+        dense = flags.index(1) if 1 in flags else len(flags)
+        for first, freq in ((dense, 1), *((0, k) for k in range(1, n_layers + 1))):
+            if flags == [int(i >= first and (i - first) % freq == 0) for i in range(n_layers)]:
+                return first, freq
+        raise ArgumentError(f"--moe-layer-freq {text!r}: a list of {len(flags)} flags for --num-layers {n_layers} "
+                            "blocks; dtmega builds K dense blocks then MoE blocks, or an MoE block every k-th. Fix: "
+                            f"one 0/1 per block in one of those patterns, or '([0]*K+[1]*M)'")
     match = re.fullmatch(r"\(?\s*\[0\]\s*\*\s*(\d+)\s*\+\s*\[1\]\s*\*\s*(\d+)\s*\)?", text.strip())
     if not match or int(match.group(1)) + int(match.group(2)) != n_layers:
         raise ArgumentError(

@@ -211,6 +211,8 @@ class Trainer:
             from dtmega.interop.hf_import import files_kept_by_a_run
 
             source = HFCheckpoint.open(args.load_hf, tokenizer=self.tokenizer)
+            for note in source.notes:
+                self.console.print(f"[dim]note: {note}[/dim]")
             source.load_into(self.pm.module, self.config)
             self.hf_files = files_kept_by_a_run(source.kept, same_tokenizer=_same_tokenizer(self.tokenizer, args.load_hf))
             self.console.print(f"started from the Hugging Face model {args.load_hf} (weights only: fresh optimizer "

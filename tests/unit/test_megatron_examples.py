@@ -234,14 +234,10 @@ def _row_flags(row, groups: list[list[str]], args_of) -> set[str]:
     (GPT3_175B, 128, {"GPT blocks (Megatron's sizes without --swiglu)", "--rampup-batch-size --step-batch-size-schedule",
                       "tied embeddings with pipeline parallelism (PP > 1 without --untie-embeddings-and-output-weights)"}),
     (DEEPSEEK_V3_MEGATRON_FSDP, 64, {
-        "--kv-channels other than --hidden-size / --num-attention-heads",
         "--moe-flex-dispatcher-backend",
-        "--multi-latent-attention (--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
-        "--rotary-scaling-factor --mscale --mscale-all-dim)",
-        "--mtp-num-layers --mtp-loss-scaling-factor without a DeepSeek model",
         "--moe-permute-fusion", "--moe-router-force-load-balancing", "--recompute-modules other than core_attn",
         "--fsdp-double-buffer --use-nccl-ub", "--megatron-fsdp-main-grads-dtype bf16",
-        "--dist-ckpt-strictness other than raise_all", "--no-mmap-bin-files", "--qk-layernorm"}),
+        "--dist-ckpt-strictness other than raise_all", "--no-mmap-bin-files"}),
 ], ids=["mixtral_8x7b", "gpt3_175b", "deepseek_v3_megatron_fsdp"])
 def test_megatrons_example_lines_are_taken_but_for_the_not_built_features(line, world, expected, more_paths, capsys,
                                                                           monkeypatch):

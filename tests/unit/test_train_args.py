@@ -171,9 +171,12 @@ def test_moe_presets_and_errors():
     with pytest.raises(ArgumentError, match="--moe-expert-capacity-factor need.* --num-experts"):
         model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
                                        "--moe-expert-capacity-factor", "1.0"])[0], 256)
-    with pytest.raises(ArgumentError, match="--moe-layer-freq '\\[1,0\\]'"):
+    listed = model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+                                            "--num-experts", "4", "--moe-layer-freq", "[1,0]"])[0], 256).moe
+    assert (listed.first_dense_layers, listed.layer_freq) == (0, 2)  # Megatron's list: MoE every 2nd block
+    with pytest.raises(ArgumentError, match="--moe-layer-freq '\\[1,0,1\\]': a list of 3 flags for --num-layers 2"):
         model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-                                       "--num-experts", "4", "--moe-layer-freq", "[1,0]"])[0], 256)
+                                       "--num-experts", "4", "--moe-layer-freq", "[1,0,1]"])[0], 256)
     with pytest.raises(ArgumentError, match="top_k=5 must be between 1 and num_experts=4"):
         model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
                                        "--num-experts", "4", "--moe-router-topk", "5"])[0], 256)

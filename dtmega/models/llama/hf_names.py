@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,17 +26,20 @@ from dtmega.models.llama.config import LlamaConfig
 
 @dataclass(frozen=True)
 class WeightSource:
-    """Where one dtmega tensor comes from: `names` (one HF tensor, or one per expert, stacked on
-    dim 0), `heads` > 0 when the rows are RoPE-permuted in heads of `head_dim`."""
+    """Where one dtmega tensor comes from: `names` (one HF tensor, or with `stacked` one per
+    expert, stacked on dim 0), `heads` > 0 when the rows are reordered within heads of
+    `head_dim` rows: `reorder(block of whole heads, number of heads)` gives them in dtmega's
+    order (default: RoPE's half-split rows into pairs, `hf_rows_to_dtmega`)."""
 
     names: tuple[str, ...]
     heads: int = 0
     head_dim: int = 0
+    reorder: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    stacked: bool = False
 
-    @property
-    def stacked(self) -> bool:
-        """True for expert weights: dtmega's [experts, ...] tensor is one HF tensor per expert."""
-        return len(self.names) > 1
+    def __post_init__(self):
+        if self.heads and self.reorder is None:
+            object.__setattr__(self, "reorder", hf_rows_to_dtmega)
 
 
 def hf_rows_to_dtmega(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -90,7 +94,8 @@ def hf_source(name: str, config: LlamaConfig, hf_names: set[str] | None = None) 
     prefix = f"model.layers.{index}."
     if rest in _EXPERTS:
         experts = config.moe.num_experts
-        return WeightSource(tuple(f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(experts)))
+        return WeightSource(tuple(f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight"
+                                  for e in range(experts)), stacked=True)
     if rest not in _BLOCK:
         raise KeyError(name)
     if rest == "attention.wq.weight":

@@ -34,9 +34,9 @@ class ParallelModel(ModelWeights):
         parts = program.parts
         self._module = parts[0] if len(parts) == 1 else PipelineParts(parts)
         family = program.family
-        self.hooks: list[RuntimeHook] = list(program.hooks)
-        if family is not None and family.runtime_hooks is not None:
-            self.hooks += family.runtime_hooks(program)
+        own = family.runtime_hooks(program) if family is not None and family.runtime_hooks is not None else []
+        self.hooks: list[RuntimeHook] = ([hook for hook in own if hook.runs_before_passes] + list(program.hooks)
+                                         + [hook for hook in own if not hook.runs_before_passes])
         self.executor = program.executor or MicrobatchLoop(self._module, loss_for(program))
         # the per-token fields beyond the four every batch has that the plan's passes and loss read
         self.batch_fields = tuple(dict.fromkeys(

@@ -26,10 +26,24 @@ def is_vocab_sharded(logits: torch.Tensor) -> bool:
     return any(isinstance(p, Shard) and p.dim in (-1, last) for p in logits.placements)
 
 
+def _loss_parallel_active() -> bool:
+    """Whether an enclosing `loss_parallel()` holds already. torch's context does not nest: its
+    exit removes the vocab-parallel handlers even when an outer one still needs them (a model
+    computing a loss of its own inside a pipeline step that holds the context throughout)."""
+    try:
+        from torch.distributed.tensor.parallel.loss import customized_loss_ops
+    except ImportError:  # another layout of torch's internals: enter anyway
+        return False
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    return all(op in handlers for op in customized_loss_ops)
+
+
 @contextlib.contextmanager
 def cross_entropy_context(logits: torch.Tensor) -> Iterator[None]:
-    """The context both the loss forward and its backward must run in (vocab-parallel needs it)."""
-    with loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext():
+    """The context both the loss forward and its backward must run in (vocab-parallel needs it);
+    inside one that holds already, nothing more."""
+    needed = is_vocab_sharded(logits) and not _loss_parallel_active()
+    with loss_parallel() if needed else contextlib.nullcontext():
         yield
 
 

@@ -116,7 +116,7 @@ class ContextParallel(Pass):
             )
         targets = []
         if family.attention_core is not None:
-            for block in facts.blocks:
+            for block in program.blocks():
                 fqn = f"{block}.{family.attention_core}"
                 inner = program.modules.get(fqn)
                 if inner is None:

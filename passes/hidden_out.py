@@ -43,6 +43,20 @@ def returns_hidden(modules: Iterable[nn.Module]) -> Iterator[None]:
             setattr(module, HIDDEN_OUT, False)
 
 
+@contextlib.contextmanager
+def returns_logits(module: nn.Module) -> Iterator[None]:
+    """Inside, `module` computes logits even while `returns_hidden` holds it: for a model that
+    calls its output layer again inside its forward (DeepSeek's multi-token prediction)."""
+    held = getattr(module, HIDDEN_OUT, None)
+    if held:
+        setattr(module, HIDDEN_OUT, False)
+    try:
+        yield
+    finally:
+        if held:
+            setattr(module, HIDDEN_OUT, held)
+
+
 class OutputOrHiddenParallel(ColwiseParallel):
     """The tensor-parallel output layer of a fused loss: vocab-sharded DTensor logits, as the
     plain output style gives, except while `returns_hidden` holds it, when its input (gathered

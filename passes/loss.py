@@ -79,6 +79,8 @@ def document_kwargs(batch: Batch, family, loss_inputs: bool = True) -> dict:
     family whose model computes losses of its own (`ModelFamily.loss_inputs`)."""
     wanted = loss_inputs and family is not None and family.loss_inputs
     extra = {"labels": batch.labels, "loss_mask": batch.loss_mask} if wanted else {}
+    if wanted and family.model_inputs is not None:
+        extra.update(family.model_inputs(batch))
     documents = batch.extra.get("document_ids")
     if documents is None or family is None or family.document_kwarg is None:
         return extra

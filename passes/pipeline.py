@@ -192,7 +192,7 @@ class PipelineSplit(Pass):
             for block in fqns:
                 self._mark(program, block, stage, virtual[stage])
         self._mark(program, facts.embedding, 0, virtual[0])
-        for head in (facts.final_norm, facts.output):
+        for head in (facts.final_norm, facts.output, *facts.head_modules):
             self._mark(program, head, stages - 1, virtual[-1])
         program.layout.stage_ranks, program.layout.stage_axis = ranks, self.axis
         program.record(PipelineStages(
@@ -231,8 +231,8 @@ class PipelineSplit(Pass):
             if stage != 0:
                 _drop(part, facts.embedding)
             if stage != info.stages - 1:
-                _drop(part, facts.final_norm)
-                _drop(part, facts.output)
+                for head in (facts.final_norm, facts.output, *facts.head_modules):
+                    _drop(part, head)
             _install_boundary_hooks(part, first=stage == 0, boundary=boundary, tp_mesh=tp_mesh)
             parts.append(part)
         program.parts = parts

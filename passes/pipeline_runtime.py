@@ -137,13 +137,19 @@ class PipelineExecutor(Executor):
             self._plan_loss = plan_loss(self.program)
         return self._plan_loss
 
-    def _stage_kwargs(self, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None) -> dict:
+    def _stage_kwargs(self, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None,
+                      batch: Batch | None = None) -> dict:
         """What every stage's forward takes beside its input: position ids and, for packed
-        documents, the document ids (each micro-batch's own, cut by the schedule)."""
+        documents, the document ids, and for a family whose model computes losses of its own the
+        labels, loss mask and its other inputs (each micro-batch's own, cut by the schedule)."""
         family = self.program.family
         kwargs = {} if position_ids is None else {family.position_kwarg if family else "position_ids": position_ids}
         if document_ids is not None and family is not None and family.document_kwarg is not None:
             kwargs[family.document_kwarg] = document_ids
+        if batch is not None and family is not None and family.loss_inputs:
+            kwargs.update(labels=batch.labels, loss_mask=batch.loss_mask)
+            if family.model_inputs is not None:
+                kwargs.update(family.model_inputs(batch))
         return kwargs
 
     def logits(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
@@ -188,7 +194,7 @@ class PipelineExecutor(Executor):
         self.scale = step.grad_scale if step.train else 1.0  # a tensor: no host synchronization
         schedule = self.schedule(microbatches)
         target, self._target_layout = batch.loss_target()
-        kwargs = self._stage_kwargs(batch.position_ids, batch.extra.get("document_ids"))
+        kwargs = self._stage_kwargs(batch.position_ids, batch.extra.get("document_ids"), batch)
         losses: list[torch.Tensor] = []
         inputs = (batch.tokens,) if self.has_first else ()
         outputs = self.program.modules_at(self.program.facts.output) if self.loss.hidden_out else []

@@ -135,9 +135,10 @@ class Program:
             ) from error
 
     def blocks(self, pattern: str | None = None) -> list[str]:
-        """FQNs of the repeated blocks: those matching `pattern`, else the family's."""
+        """FQNs of the repeated blocks: those matching `pattern`, else the family's (its trunk's
+        blocks, then those beside the output layer: `ModelFacts.head_blocks`)."""
         if pattern is None:
-            return list(self.facts.blocks)
+            return list(self.facts.blocks) + list(self.facts.head_blocks)
         found = [fqn for fqn in self.modules if fqn and glob_match(pattern, fqn)]
         if not found:
             raise PlanError(f"blocks={pattern!r} matches no module; block FQNs look like 'layers.*'")

@@ -89,6 +89,10 @@ class StepContext:
 class RuntimeHook:
     """Run-time behaviour a pass or a model family adds to every step (no-op defaults)."""
 
+    # A family's hook that must see the batch before the passes' hooks cut it (e.g. it derives
+    # per-token fields from whole sequences, which context parallelism then cuts with the rest).
+    runs_before_passes = False
+
     def shard_batch(self, batch: Batch) -> Batch:
         """This rank's part of the data-parallel batch (context parallelism: its sequence shard)."""
         return batch

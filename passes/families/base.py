@@ -63,6 +63,12 @@ class ModelFacts:
     max_positions: int | None = None  # the longest sequence the position table covers (None: unknown)
     latent_attention: LatentAttentionFacts | None = None  # MLA instead of grouped-query attention
     mtp_layers: int = 0  # multi-token-prediction depths (each one more block beside `blocks`)
+    # Modules that live beside the output layer (on the last pipeline stage), e.g. DeepSeek's
+    # multi-token prediction `mtp`, and the blocks inside them: every pass that treats each block
+    # (context parallelism's attention cores, recompute, compile, FSDP units, document masks)
+    # treats these too (`Program.blocks()`); pipeline splitting keeps them with the output.
+    head_modules: tuple[str, ...] = ()
+    head_blocks: tuple[str, ...] = ()
 
     @property
     def n_layers(self) -> int:
@@ -97,6 +103,9 @@ class ModelFamily:
     # Whether `logits` also takes the batch's `labels` and `loss_mask` (keywords), for losses the
     # model computes itself beside the next-token one (DeepSeek's multi-token prediction).
     loss_inputs: bool = False
+    # With `loss_inputs`: more keyword inputs the model takes from the batch's fields (e.g.
+    # DeepSeek's rolled multi-token-prediction inputs), Batch -> {kwarg: tensor}.
+    model_inputs: Callable | None = None
     # For a family whose own attention cores take no document ids: makes the core DocumentMasking
     # installs at `attention_core` (given the backend), which reads the ids `document_kwarg` passes.
     document_core: Callable[[str], nn.Module] | None = None

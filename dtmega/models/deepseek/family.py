@@ -40,13 +40,51 @@ def _describe(model: DeepSeek) -> ModelFacts:
         latent_attention=LatentAttentionFacts(c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                               c.v_head_dim),
         mtp_layers=len(model.mtp) if model.mtp is not None else 0,
+        head_modules=("mtp",) if model.mtp is not None else (),
+        head_blocks=tuple(f"mtp.{i}.block" for i in range(len(model.mtp))) if model.mtp is not None else (),
     )
 
 
 def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
             document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-            loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    return model(tokens, position_ids, document_ids=document_ids, labels=labels, loss_mask=loss_mask)
+            loss_mask: torch.Tensor | None = None, **mtp_inputs: torch.Tensor) -> torch.Tensor:
+    return model(tokens, position_ids, document_ids=document_ids, labels=labels, loss_mask=loss_mask, **mtp_inputs)
+
+
+def _mtp_inputs(batch) -> dict:
+    from dtmega.models.deepseek.mtp_runtime import mtp_inputs
+
+    return mtp_inputs(batch)
+
+
+# A block's rules (the trunk's `layers.*`), for the multi-token-prediction blocks `mtp.*.block` too
+BLOCK_TP_RULES = (
+    Rule("attention.wq", "colwise"),
+    Rule("attention.wq_b", "colwise"),
+    Rule("attention.wkv_b", "colwise"),
+    Rule("attention.wo", "rowwise"),
+    Rule("attention.rotary_key", "shared_across_heads"),
+    Rule("feed_forward.w1", "colwise"),
+    Rule("feed_forward.w3", "colwise"),
+    Rule("feed_forward.w2", "rowwise"),
+    Rule("feed_forward", "moe", module_type="MoE"),
+    Rule("feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+    Rule("feed_forward.shared_experts.w1", "colwise"),
+    Rule("feed_forward.shared_experts.w3", "colwise"),
+    Rule("feed_forward.shared_experts.w2", "rowwise"),
+)
+BLOCK_SP_RULES = (
+    Rule("attention_norm", "sequence_norm"),
+    Rule("ffn_norm", "sequence_norm"),
+    Rule("attention", "gather_input", options={"args": 2}),
+    Rule("feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
+)
+BLOCKS = ("layers.*", "mtp.*.block")
+
+
+def _for_blocks(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return tuple(Rule(f"{block}.{rule.pattern}", rule.style, module_type=rule.module_type, options=rule.options)
+                 for block in BLOCKS for rule in rules)
 
 
 def _hooks(program) -> list:
@@ -62,27 +100,17 @@ DTMEGA_DEEPSEEK = register_family(
         describe=_describe,
         tp_rules=(
             Rule("tok_embeddings", "embedding"),
-            Rule("layers.*.attention.wq", "colwise"),
-            Rule("layers.*.attention.wq_b", "colwise"),
-            Rule("layers.*.attention.wkv_b", "colwise"),
-            Rule("layers.*.attention.wo", "rowwise"),
-            Rule("layers.*.attention.rotary_key", "shared_across_heads"),
-            Rule("layers.*.feed_forward.w1", "colwise"),
-            Rule("layers.*.feed_forward.w3", "colwise"),
-            Rule("layers.*.feed_forward.w2", "rowwise"),
-            Rule("layers.*.feed_forward", "moe", module_type="MoE"),
-            Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
-            Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
-            Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
-            Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
+            *_for_blocks(BLOCK_TP_RULES),
             Rule("output", "output"),
         ),
         sp_rules=(
-            Rule("layers.*.attention_norm", "sequence_norm"),
-            Rule("layers.*.ffn_norm", "sequence_norm"),
+            *_for_blocks(BLOCK_SP_RULES),
             Rule("norm", "sequence_norm"),
-            Rule("layers.*.attention", "gather_input", options={"args": 2}),
-            Rule("layers.*.feed_forward", "gather_input", module_type="FeedForward", options={"args": 1}),
+            # multi-token prediction's per-position pieces: their weights whole, positions sharded
+            Rule("mtp.*.enorm", "sequence_norm"),
+            Rule("mtp.*.hnorm", "sequence_norm"),
+            Rule("mtp.*.eh_proj", "sequence_norm"),
+            Rule("mtp.*.norm", "sequence_norm"),
         ),
         logits=_logits,
         attention_core="attention.core",
@@ -91,5 +119,6 @@ DTMEGA_DEEPSEEK = register_family(
         moe_tensor_parallel=True,
         runtime_hooks=_hooks,
         loss_inputs=True,
+        model_inputs=_mtp_inputs,
     )
 )

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from dtmega.kernels.cross_entropy import per_token_cross_entropy
+from dtmega.kernels.cross_entropy import cross_entropy_context, per_token_cross_entropy
 from dtmega.models.decoder import Decoder
 from dtmega.models.deepseek.config import DeepSeekConfig
 from dtmega.models.deepseek.rope import deepseek_rope_cache
@@ -23,6 +23,7 @@ from dtmega.models.kv_cache import KVCache, LayerCache
 from dtmega.models.llama.model import CoreAttention
 from dtmega.models.moe import MoE, _AttachLoss
 from dtmega.models.rope import apply_rope
+from dtmega.passes.hidden_out import returns_logits
 
 
 class SharedAcrossHeads(nn.Module):
@@ -161,7 +162,15 @@ class DeepSeek(Decoder):
     the loss is attached to the logits (its gradient flows in the same backward) and its value
     recorded in `mtp_stats`. `mtp_scales` (set per step by the MTP run-time hook) replaces
     each depth's local average by the whole global batch's, as the next-token loss is averaged.
-    Generation never runs the MTP modules."""
+    Generation never runs the MTP modules.
+
+    The rolled inputs (`mtp_tokens`, `mtp_labels`, `mtp_mask`: [B, S, depths], depth k's
+    tokens, labels and mask moved k places left) may come with the batch, rolled over the
+    whole sequence before context parallelism cut it (the MTP run-time hook does); without them
+    they are rolled here. Under pipeline parallelism the first stage embeds the rolled tokens
+    and the embeddings travel with the hidden states ([B, S, (1 + depths) x dim]) to the last
+    stage, where the MTP modules live: the embedding stays one module on the first stage, and
+    their gradient flows back through the pipeline like the hidden states'."""
 
     def __init__(self, config: DeepSeekConfig):
         super().__init__()
@@ -176,6 +185,7 @@ class DeepSeek(Decoder):
             if config.mtp_num_layers else None
         self.mtp_scales: list[torch.Tensor | float] | None = None
         self.mtp_stats: dict[str, torch.Tensor] = {}
+        self.counting = True  # records mtp_stats (off for a pipeline's shape inference)
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
 
     def _rope_cache(self, device=None) -> torch.Tensor:
@@ -184,24 +194,41 @@ class DeepSeek(Decoder):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                loss_mask: torch.Tensor | None = None, mtp_tokens: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None, mtp_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab] (Decoder.forward); with `labels` (and `loss_mask`) while
         training, the multi-token-prediction loss rides on them (see the class docstring)."""
+        depths = self.config.mtp_num_layers
+        carried = None
+        if self.tok_embeddings is None and depths and tokens.shape[-1] == (1 + depths) * self.config.dim:
+            tokens, carried = tokens.split([self.config.dim, depths * self.config.dim], dim=-1)
+        elif self.tok_embeddings is not None and self.output is None and depths and mtp_tokens is not None:
+            carried = torch.cat([_local(self.tok_embeddings(mtp_tokens[..., d])) for d in range(depths)], dim=-1)
         h, rope, documents = self.trunk(tokens, position_ids, cache, document_ids)
+        if self.output is None:  # a pipeline stage before the last: the embeddings ride along
+            h = self.head(h)
+            return h if carried is None else torch.cat([_local(h), _local(carried)], dim=-1)
         logits = self.head(h)
         if self.mtp is not None and labels is not None and self.training and torch.is_grad_enabled():
-            mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
-            logits = _AttachLoss.apply(logits, self._mtp_loss(h, tokens, rope, documents, labels, mask), 1.0)
+            inputs = _RolledInputs.of(tokens if carried is None else None, labels, loss_mask, depths, mtp_tokens,
+                                      mtp_labels, mtp_mask)
+            embedded = carried.chunk(depths, dim=-1) if carried is not None else [
+                self.tok_embeddings(inputs.tokens[..., d]) for d in range(depths)]
+            logits = _AttachLoss.apply(logits, self._mtp_loss(h, embedded, rope, documents, inputs), 1.0)
         return logits
 
-    def _mtp_loss(self, h, tokens, rope, documents, labels, mask) -> torch.Tensor:
+    def _mtp_loss(self, h, embedded, rope, documents, inputs: "_RolledInputs") -> torch.Tensor:
         factor = self.config.mtp_loss_scaling_factor / len(self.mtp)
-        counting = torch._C._current_graph_task_id() == -1  # not when full recompute reruns this in backward
-        total = torch.zeros((), device=h.device)
+        # not when full recompute reruns this in backward, nor in a pipeline's shape inference
+        counting = self.counting and torch._C._current_graph_task_id() == -1
+        total = torch.zeros((), device=inputs.labels.device)
         for depth, module in enumerate(self.mtp, start=1):
-            h = module(h, self.tok_embeddings(roll_left(tokens, depth)), rope, documents)
-            losses = per_token_cross_entropy(self.output(module.norm(h)), roll_left(labels, depth))
-            kept = roll_left(mask, depth)
+            h = module(h, embedded[depth - 1], rope, documents)
+            with returns_logits(self.output):  # a fused loss's output layer hands hidden states on otherwise
+                logits = self.output(module.norm(h))
+            with cross_entropy_context(logits):
+                losses = per_token_cross_entropy(logits, inputs.labels[..., depth - 1])
+            kept = inputs.mask[..., depth - 1]
             summed = (losses * kept).sum()
             if counting:
                 for key, value in ((f"sum{depth}", summed.detach()), (f"count{depth}", kept.sum())):
@@ -210,3 +237,23 @@ class DeepSeek(Decoder):
             total = total + summed.float() * scale
         return total
 
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what crosses a pipeline-stage boundary), a tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _RolledInputs:
+    """Each MTP depth's tokens, labels and loss mask ([B, S, depths]): as the batch brought
+    them (rolled over the whole sequence), or rolled here."""
+
+    def __init__(self, tokens, labels, mask):
+        self.tokens, self.labels, self.mask = tokens, labels, mask
+
+    @classmethod
+    def of(cls, tokens, labels, loss_mask, depths, mtp_tokens, mtp_labels, mtp_mask) -> "_RolledInputs":
+        if mtp_labels is not None:
+            return cls(mtp_tokens, mtp_labels, mtp_mask.float())
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        return cls(*(torch.stack([roll_left(t, d) for d in range(1, depths + 1)], dim=-1) if t is not None else None
+                     for t in (tokens, labels, mask)))

@@ -39,6 +39,15 @@ def _loss_parallel_active() -> bool:
 
 
 @contextlib.contextmanager
+def vocab_parallel_context(needed: bool = True) -> Iterator[None]:
+    """torch's `loss_parallel()` unless one holds already (or not `needed`): around a whole step
+    whose model computes vocab-parallel losses of its own, so that their backward, run with the
+    plan's (maybe fused, maybe unsharded) loss's, finds it."""
+    with loss_parallel() if needed and not _loss_parallel_active() else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
 def cross_entropy_context(logits: torch.Tensor) -> Iterator[None]:
     """The context both the loss forward and its backward must run in (vocab-parallel needs it);
     inside one that holds already, nothing more."""

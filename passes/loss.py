@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dtmega.kernels import cross_entropy_context, per_token_cross_entropy
+from dtmega.kernels.cross_entropy import vocab_parallel_context
 from dtmega.passes.families import default_logits
 from dtmega.passes.hidden_out import returns_hidden
 from dtmega.passes.runtime import Batch, LossFn
@@ -94,15 +95,20 @@ def loss_for(program) -> LossFn:
     family = program.family
     logits_fn = family.logits if family is not None else default_logits
     output_fqn = program.facts.output if family is not None else None
+    # a model that computes losses of its own (DeepSeek's multi-token prediction) on vocab-sharded
+    # logits needs torch's loss_parallel through its forward and the step's backward, whatever
+    # the plan's own loss holds
+    own_losses = family is not None and family.loss_inputs and program.layout[output_fqn].style == "output"
 
     def step(module: nn.Module, batch: Batch, grad_scale: torch.Tensor | None) -> torch.Tensor:
         hidden = [module.get_submodule(output_fqn)] if loss.hidden_out else []
-        with returns_hidden(hidden):
-            output = logits_fn(module, batch.tokens, batch.position_ids, **document_kwargs(batch, family))
-        with loss.context(output):
-            total = loss.criterion(module, output, batch)
-            if grad_scale is not None:
-                (total * grad_scale).backward()
+        with vocab_parallel_context(own_losses):
+            with returns_hidden(hidden):
+                output = logits_fn(module, batch.tokens, batch.position_ids, **document_kwargs(batch, family))
+            with loss.context(output):
+                total = loss.criterion(module, output, batch)
+                if grad_scale is not None:
+                    (total * grad_scale).backward()
         return total
 
     return step

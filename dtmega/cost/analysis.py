@@ -43,7 +43,8 @@ def model_shape_of(program: Program) -> ModelShape:
                          if fqn.startswith(shared_fqn) for p in m.params.values()) // (3 * facts.dim)
     return ModelShape(facts.dim, facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.ffn_dim, facts.vocab_size,
                       facts.tied_embeddings, experts, top_k, expert_ffn, moe_layers, shared, capacity,
-                      facts.latent_attention, facts.mtp_layers)
+                      facts.latent_attention, facts.mtp_layers, facts.moe.num_groups if facts.moe else None,
+                      facts.moe.group_topk if facts.moe else None)
 
 
 def model_shape_of_spec(spec, config=None) -> ModelShape:

@@ -92,8 +92,10 @@ def collectives(model: ModelShape, plan: PlanShape, seq: int) -> list[Collective
             count = 4 * layers * mbs * (forwards + 1)
             out.append(Collective("cp", "all_to_all", count, layers * mbs * (forwards + 1) * qkvo, plan.cp, False))
     if plan.ep > 1 and model.experts:
-        moe_layers = layers * model.moe_layers / model.layers
-        routed = tokens * model.top_k * h * e
+        # the MTP blocks (MoE, on the last stage) route their tokens too
+        moe_layers = layers * model.moe_layers / model.layers + model.mtp_layers
+        rows = model.ranks_per_token(plan.ep) if plan.dispatcher == "flex" else model.top_k
+        routed = tokens * rows * h * e
         # dispatch and combine forward, their transposes backward: an EP group's ranks send
         # `routed` each on average (uneven splits: the rows follow the router), and each
         # forward dispatch first exchanges the rows per expert (int64)
@@ -112,6 +114,7 @@ def collectives(model: ModelShape, plan: PlanShape, seq: int) -> list[Collective
         sends = mbs * (2 * plan.vp - (1 if plan.pp == 2 else 0))
         scalars = 2 if model.experts else 1
         payload = act / plan.tp if plan.sp else act
+        payload *= 1 + model.mtp_layers  # MTP: the embeddings of the tokens ahead travel with the hidden states
         hidden = plan.vp > 1 and framework_named(plan.framework).tp_collectives == "megatron"
         out += [Collective("pp", "send", sends, sends * payload, 2, hidden),
                 Collective("pp", "all_reduce", scalars, 4 * scalars, plan.pp, False)]

@@ -58,7 +58,7 @@ class CostEstimate:
         return {
             "plan": p.describe(), "tp": p.tp, "sp": p.sp, "pp": p.pp, "vp": p.vp, "schedule": p.schedule, "cp": p.cp,
             "cp_method": p.cp_method, "dp": p.dp, "dp_mode": p.dp_mode, "dp_shard": p.dp_shard, "ep": p.ep,
-            "micro_batch": p.micro_batch, "microbatches": p.microbatches, "recompute": p.recompute,
+            "dispatcher": p.dispatcher, "micro_batch": p.micro_batch, "microbatches": p.microbatches, "recompute": p.recompute,
             "cpu_optimizer": p.cpu_optimizer, "framework": p.framework, "tp_overlap": p.tp_overlap, "fp8": p.fp8,
             "fp8_param_gather": p.fp8_param_gather, "recompute_layers": p.recompute_layers,
             "embedding_in_split": p.embedding_in_split, "memory_gib": round(gib(self.memory.peak), 3),

@@ -82,6 +82,11 @@ def params_per_rank(model: ModelShape, plan: PlanShape, *, first: bool, last: bo
         dense += table
     if last:
         dense += (0 if (model.tied and first) else table) + model.dim
+        # multi-token prediction (DeepSeek): per depth an MoE block, two input norms and the output
+        # norm, and the 2D -> D projection (whole on every TP rank)
+        dense += model.mtp_layers * (attention + model.dim * model.experts + 3 * model.dim * model.shared_ffn / plan.tp
+                                     + 3 * model.dim + 2 * model.dim * model.dim)
+        experts += model.mtp_layers * model.expert_params() / (plan.tp * plan.ep)
     return dense, experts
 
 
@@ -224,6 +229,9 @@ def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> 
     activations = in_flight(model, plan, pp_rank) * tokens * per_token
     if plan.recompute == "full":
         activations += tokens * whole
+    if last and model.mtp_layers:  # the MTP blocks, their inputs ([embedding; hidden], projected) and logits
+        vocab = model.vocab / plan.tp
+        activations += model.mtp_layers * tokens * (whole + 5 * model.dim * e + vocab * (e + 4 + 4))
     # (the embedding's backward needs only the token ids: nothing for the first rank)
     loss = 0.0
     if last:

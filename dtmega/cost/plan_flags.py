@@ -31,6 +31,8 @@ def train_options(plan: PlanShape, model: ModelShape, work: RunWorkload) -> dict
         options["data_parallel_shard_size"] = plan.dp_shard
     if plan.ep > 1:
         options["expert_model_parallel_size"] = plan.ep
+        if plan.dispatcher == "flex":
+            options["moe_token_dispatcher_type"] = "flex"
     if plan.recompute == "full":
         options.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif plan.recompute == "selective":

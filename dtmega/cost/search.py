@@ -105,7 +105,7 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
                     continue
                 methods = ["ring"] if cp == 1 or kind.saves == "transformer-engine" else \
                     ["ring", "all_gather"] + (["a2a"] if (model.heads // tp) % cp == 0 else [])
-                for ep in [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1]:
+                for ep, dispatcher in _expert_choices(model, dp, kind):
                     for mode, shard in _data_modes(dp, cp, tp, ep, gpus_per_node, kind):
                         for mb in [m for m in (1, 2, 4, 8, 16, 32) if m <= max_micro_batch and
                                    (work.global_batch // dp) % m == 0]:
@@ -128,13 +128,30 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
                                                     tp=tp, sp=tp > 1, pp=pp, vp=vp,
                                                     schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                                                     cp=cp, cp_method=method, dp=dp, dp_mode=mode, dp_shard=shard,
-                                                    ep=ep, micro_batch=mb, microbatches=microbatches,
+                                                    ep=ep, dispatcher=dispatcher, micro_batch=mb,
+                                                    microbatches=microbatches,
                                                     recompute=recompute, fused_kernels=True, fused_loss=True,
                                                     cpu_optimizer=offload, fused_optimizer=fused_optimizer,
                                                     dtype=work.dtype, framework=kind.name, tp_overlap=overlap,
                                                     fp8=work.fp8, fp8_param_gather=_fp8_gather(work.fp8, mode, dp * cp),
                                                     embedding_in_split=in_split,
                                                     document_length=work.document_length)
+
+
+def _expert_choices(model: ModelShape, dp: int, kind) -> list[tuple[int, str]]:
+    """(EP size, token dispatcher) pairs to try: every EP size that divides the data ranks and
+    the experts, each with the all-to-all dispatcher and, in dtmega, the flex one (a row per
+    token and rank: fewer bytes when a token's experts share ranks, as group-limited routing
+    makes them); groups that do not map onto the EP ranks are not tried (refused at launch)."""
+    sizes = [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1]
+    out = []
+    for ep in sizes:
+        if ep > 1 and model.groups and model.groups > 1 and model.groups % ep and ep % model.groups:
+            continue
+        out.append((ep, "alltoall"))
+        if ep > 1 and kind.name == "dtmega":
+            out.append((ep, "flex"))
+    return out
 
 
 def _fp8_gather(fp8: str | None, mode: str, data: int) -> bool:
@@ -189,12 +206,12 @@ def search(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorkload, 
 
 
 SPEC_KEYS = {"tp": int, "pp": int, "vp": int, "cp": int, "dp": int, "ep": int, "mb": int, "recompute": str,
-             "recompute_layers": int, "mode": str, "cp_method": str, "overlap": str, "split": str}
+             "recompute_layers": int, "mode": str, "cp_method": str, "overlap": str, "split": str, "dispatcher": str}
 
 
 def parse_plan_spec(text: str) -> dict[str, object]:
     """'tp=4,pp=4,cp=1' (any of tp, pp, vp, cp, dp, ep, mb, recompute, recompute_layers, mode,
-    cp_method, overlap, split=embedding-and-loss) -> constraints."""
+    cp_method, overlap, split=embedding-and-loss, dispatcher=alltoall|flex) -> constraints."""
     out: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -214,7 +231,7 @@ def _spec_view(plan: PlanShape) -> dict[str, object]:
     return {"tp": plan.tp, "pp": plan.pp, "vp": plan.vp, "cp": plan.cp, "dp": plan.dp, "ep": plan.ep,
             "mb": plan.micro_batch, "recompute": plan.recompute, "recompute_layers": plan.recompute_layers,
             "mode": plan.dp_mode, "cp_method": plan.cp_method, "overlap": plan.tp_overlap,
-            "split": "embedding-and-loss" if plan.embedding_in_split else None}
+            "split": "embedding-and-loss" if plan.embedding_in_split else None, "dispatcher": plan.dispatcher}
 
 
 def matches(plan: PlanShape, spec: dict[str, object]) -> bool:
@@ -245,7 +262,8 @@ def plan_from_spec(spec: dict[str, object], model: ModelShape, gpus: int, work: 
     layers = spec.get("recompute_layers")
     return PlanShape(tp=tp, sp=tp > 1, pp=pp, vp=vp, schedule="interleaved_1f1b" if vp > 1 else "1f1b", cp=cp,
                      cp_method=str(spec.get("cp_method", "ring")), dp=dp, dp_mode=mode,
-                     dp_shard=dp, ep=ep, micro_batch=mb, microbatches=work.global_batch // (dp * mb),
+                     dp_shard=dp, ep=ep, dispatcher=str(spec.get("dispatcher", "alltoall")), micro_batch=mb,
+                     microbatches=work.global_batch // (dp * mb),
                      recompute=str(spec.get("recompute", "full" if layers else "none")),
                      recompute_layers=int(layers) if layers else None, fused_kernels=True, fused_loss=True,
                      fused_optimizer=fused_optimizer, dtype=work.dtype, framework=kind.name, tp_overlap=overlap,

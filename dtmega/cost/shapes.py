@@ -46,6 +46,8 @@ class ModelShape:
     capacity_factor: float | None = None
     mla: object | None = None  # passes.families.base.LatentAttentionFacts
     mtp_layers: int = 0  # DeepSeek's multi-token-prediction depths (MLA models)
+    groups: int | None = None  # group-limited routing: expert groups, and the best ones a token uses
+    group_topk: int | None = None
 
     @classmethod
     def of(cls, config: LlamaConfig) -> "ModelShape":
@@ -95,6 +97,25 @@ class ModelShape:
     def dense_mlp_params(self) -> int:
         return 3 * self.dim * self.ffn
 
+    def ranks_per_token(self, ep: int) -> float:
+        """Expected number of expert-parallel ranks a token's top-k experts lie on (experts dealt
+        to ranks in equal consecutive runs, the router's choices taken as uniform): what the flex
+        dispatcher sends a token to, one row each. Group-limited routing bounds it: with groups
+        of whole ranks, the ranks of `group_topk` groups; with ranks of whole groups, those of
+        the chosen groups' ranks."""
+        k, experts = self.top_k, self.experts
+        if ep <= 1 or not experts:
+            return 1.0
+        if self.groups and self.group_topk and self.groups > 1:
+            if self.groups >= ep:  # each rank holds groups / ep whole groups: distinct ranks of the chosen groups
+                held = self.groups // ep
+                return min(k, ep * (1 - math.comb(self.groups - held, self.group_topk) /
+                                    math.comb(self.groups, self.group_topk)))
+            reach = self.group_topk * ep // self.groups  # each group spans ep / groups ranks
+            candidates = self.group_topk * experts // self.groups
+            return _distinct_ranks(candidates, reach, k)
+        return _distinct_ranks(experts, ep, k)
+
     def expert_params(self) -> int:
         """All routed experts of one MoE block."""
         return 3 * self.dim * self.expert_ffn * self.experts
@@ -136,6 +157,15 @@ class ModelShape:
         return known[seq]
 
 
+def _distinct_ranks(experts: int, ranks: int, k: int) -> float:
+    """Expected distinct ranks among k distinct experts drawn from `experts` dealt evenly over
+    `ranks`: each rank is missed with probability C(E - E/r, k) / C(E, k)."""
+    per = experts // ranks
+    if k > experts:
+        return float(ranks)
+    return ranks * (1 - math.comb(experts - per, k) / math.comb(experts, k))
+
+
 @dataclass(frozen=True)
 class PlanShape:
     """A plan in sizes. `dp` counts every data-parallel rank (EP borrows from them); FSDP shards
@@ -155,6 +185,7 @@ class PlanShape:
     dp_mode: str = "fsdp"
     dp_shard: int = 1  # HSDP: ranks one replica shards over (dp for fsdp)
     ep: int = 1
+    dispatcher: str = "alltoall"  # alltoall (a row per routed expert) | flex (a row per token and rank)
     micro_batch: int = 1
     microbatches: int = 1
     recompute: str = "none"  # none | selective | full
@@ -236,7 +267,7 @@ class PlanShape:
         mode = {"distributed-optimizer": "DISTOPT", "megatron-fsdp": "MFSDP"}.get(self.dp_mode, self.dp_mode.upper())
         parts.append(f"{mode}{self.dp}" + (f"/{self.dp_shard}" if self.dp_mode == "hsdp" else ""))
         if self.ep > 1:
-            parts.append(f"EP{self.ep}")
+            parts.append(f"EP{self.ep}" + ("(flex)" if self.dispatcher == "flex" else ""))
         parts.append(f"mb{self.micro_batch}x{self.microbatches}")
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}"

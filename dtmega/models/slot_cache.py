@@ -16,8 +16,9 @@ from dtmega.kernels.errors import DtmegaError
 
 
 class SlotLayerCache:
-    """One block's keys and values, [slots, max_len, kv_heads, head_dim], allocated on first use
-    with the shapes the block produces (under tensor parallelism: this rank's heads only)."""
+    """One block's keys and values, [slots, max_len, kv_heads, head_dim] (or whatever a block
+    caches per position: MLA's latent and rotary key, each its own shape), allocated on first
+    use with the shapes the block produces (under tensor parallelism: this rank's heads only)."""
 
     def __init__(self, owner: "SlotKVCache"):
         self.owner = owner
@@ -30,8 +31,8 @@ class SlotLayerCache:
         own length are masked by the attention)."""
         owner = self.owner
         if self.keys is None:
-            shape = (owner.slots, owner.max_len, *k.shape[2:])
-            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
+            self.keys = k.new_zeros((owner.slots, owner.max_len, *k.shape[2:]))
+            self.values = v.new_zeros((owner.slots, owner.max_len, *v.shape[2:]))
         rows = owner.active[:, None]
         positions = owner.length[:, None] + torch.arange(k.shape[1], device=k.device)
         self.keys[rows, positions] = k

@@ -63,6 +63,7 @@ PLANS = {
     "cp2_a2a": (dict(cp=2), [ContextParallel(method="a2a"), DataParallel("fsdp")]),
     "full_recompute_fsdp2": (dict(dp_shard=2), [Recompute("full"), DataParallel("fsdp")]),
     "compiled_fused": (dict(), [FuseKernels(), Compile("aot_eager")]),
+    "fused_tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel(), FuseKernels()]),
     "pp2": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
     "pp2_tp2_sp": (dict(pp=2, tp=2), [TensorParallel(), SequenceParallel(), PipelineSplit(microbatches=2)]),
     "selective_recompute_tp2": (dict(tp=2), [TensorParallel(), SequenceParallel(), Recompute("selective")]),
@@ -87,6 +88,11 @@ def test_multi_token_prediction_matches_unsharded(name):
     assert pm.hook(MTPRuntime) is not None
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
     assert float(pm.hook(MTPRuntime).last_loss) > 0
+    if "fused" in name:  # the family's fusion sites, MTP's included: MLA's RoPE, latent norms, SwiGLU, residual norms
+        fused = {fqn: entry.kernel.rpartition(".")[0] for fqn, entry in pm.layout.modules.items() if entry.kernel}
+        assert fused["layers.0.attention"] == fused["mtp.0.block.attention"] == "rope"
+        assert fused["layers.0.attention.kv_norm"] == fused["mtp.0.enorm"] == "rms_norm"
+        assert fused["layers.0.feed_forward"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -100,6 +106,11 @@ def test_deepseek_plans_match_unsharded(name):
     pm.init_weights(seed=41)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
     assert float(pm.hook(MTPRuntime).last_loss) > 0
+    if "fused" in name:  # the family's fusion sites, MTP's included: MLA's RoPE, latent norms, SwiGLU, residual norms
+        fused = {fqn: entry.kernel.rpartition(".")[0] for fqn, entry in pm.layout.modules.items() if entry.kernel}
+        assert fused["layers.0.attention"] == fused["mtp.0.block.attention"] == "rope"
+        assert fused["layers.0.attention.kv_norm"] == fused["mtp.0.enorm"] == "rms_norm"
+        assert fused["layers.0.feed_forward"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
 
 
 def test_group_limited_routing_bounds_the_ranks_a_token_reaches():

@@ -90,3 +90,38 @@ def test_fp8_checkpoint_read_in_shards_equals_the_whole_dequantized_read(name, d
     expected = whole.state_dict()
     for fqn, tensor in pm.module.state_dict().items():
         assert torch.equal(full(tensor), expected[fqn]), fqn
+
+
+def test_train_load_hf_fine_tunes_the_deepseek_checkpoint_under_ep4_and_saves_it_for_transformers(deepseek_dirs,
+                                                                                                  shared_dir):
+    """`dtmega train --load-hf` on the transformers-made DeepSeek under EP4 (flex dispatcher, the
+    groups on the ranks) with its own tokenizer, on random tokens (the random model already
+    sits at their entropy, so the loss cannot fall): the first loss is the model's own on
+    them (ln of the 320 rows, within 1 %), the run steps, and `--save-hf` writes a directory
+    transformers loads, whose logits are the fine-tuned model's (not the source's)."""
+    import json
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.train_helpers import train_reusing_meshes
+
+    plain, _ = deepseek_dirs
+    log, save, exported = shared_dir / "deepseek_ft.jsonl", shared_dir / "deepseek_ft", shared_dir / "deepseek_ft_hf"
+    argv = ["--load-hf", str(plain), "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-3",
+            "--lr-warmup-iters", "0", "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex",
+            "--eval-iters", "0", "--log-interval", "1", "--log-file", str(log), "--save", str(save),
+            "--save-interval", "6", "--save-hf", str(exported), "--seed", "3"]
+    result = train_reusing_meshes(argv)
+    assert abs(result.losses[0] - math.log(320)) < 0.01 * math.log(320) and all(map(math.isfinite, result.losses))
+    dist.barrier()
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(8))
+    trained = load_under(exported, mesh(dp_shard=4), [DataParallel("fsdp")])
+    with torch.no_grad():
+        ours = full(trained.forward(ids))
+        theirs = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()(ids, use_cache=False).logits
+        source = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()(ids, use_cache=False).logits
+    assert relative_max(ours, theirs) < LOGITS_RTOL and relative_max(theirs, source) > 1e-3  # trained, and read back
+    if dist.get_rank() == 0:
+        assert json.loads((exported / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]

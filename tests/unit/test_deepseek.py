@@ -248,3 +248,26 @@ def test_megatrons_mtp_and_group_flags_reach_the_models_configs():
     args, _ = parse_train_args([*base, *llama, "--moe-router-group-topk", "5"])
     with pytest.raises(ArgumentError, match="group_topk=5 must be between 1 and num_groups=4"):
         model_of(args, 256)
+
+
+def test_plans_that_do_not_divide_deepseek_are_refused_and_mtp_sits_on_the_last_stage():
+    """Heads that TP cannot split whole: one PlanError naming them before any collective (a
+    fake world: check_plan). Under PP the MTP module is placed with the output layer on the
+    last stage, and a pipeline of 4 stages hosts it as well as one of 2."""
+    import dtmega
+    from dtmega.passes import DataParallel, PipelineSplit, PlanError, SequenceParallel, TensorParallel
+    from tests.helpers import mesh_shape
+
+    config = DeepSeekConfig.from_name("deepseek-debug", mtp_num_layers=1)
+    with torch.device("meta"):
+        model = DeepSeek(config)
+    with pytest.raises(PlanError, match=rf"n_heads={config.n_heads} .*not divisible by .*3.*each rank must hold whole "
+                                        "attention heads"):
+        dtmega.check_plan(model, mesh_shape(tp=3), dtmega.Plan([TensorParallel(), SequenceParallel()]))
+    for pp in (2, 4):
+        with torch.device("meta"):
+            model = DeepSeek(config.replace(n_layers=4))
+        layout = dtmega.check_plan(model, mesh_shape(pp=pp), dtmega.Plan([PipelineSplit(microbatches=pp),
+                                                                         DataParallel("ddp")]))
+        assert layout["tok_embeddings"].stage == 0
+        assert layout["mtp.0.block.attention"].stage == layout["output"].stage == pp - 1

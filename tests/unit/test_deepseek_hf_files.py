@@ -83,9 +83,44 @@ def test_load_hf_logits_and_greedy_generation_equal_transformers(interleave, dee
 
 
 def test_generate_command_takes_a_deepseek_directory(deepseek_dir, capsys):
+    """`dtmega generate --load-hf` decodes DeepSeek with the latent cache and says what it costs:
+    3 blocks x (16 + 8) fp32 values per token, against 3 x 4 heads x (24 + 12) per-head."""
     assert dtmega_main(["generate", "--load-hf", str(deepseek_dir), "--prompt", "In the beginning", "--greedy",
                         "--max-new-tokens", "4"]) == 0
-    assert "In the beginning" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "In the beginning" in out
+    assert (f"KV cache: {3 * 24 * 4:,} bytes per token on each rank (multi-latent attention: the latent and the "
+            f"rotary key; per-head keys and values would take {3 * 4 * 36 * 4:,}, 6.0x)") in out
+
+
+def test_the_serving_engine_decodes_deepseek_with_the_latent_cache(deepseek_dir):
+    """`dtmega serve`'s engine (slots decoded together) on the DeepSeek directory: the tokens
+    one-at-a-time greedy decoding gives, and a cache of exactly slots x length x the latent's
+    bytes per token."""
+    import threading
+
+    from dtmega.serve.engine import Engine, Sampling, SequenceRequest, wait_all
+    from dtmega.serve.kv_budget import kv_bytes_per_token
+
+    pm, tokenizer, _ = restore(None, load_hf=deepseek_dir)
+    model = pm.module.eval()
+    engine = Engine(model, vocab_size=tokenizer.vocab_size, slots=4, max_len=48, decode_text=lambda ids: "")
+    engine.reserve()
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    try:
+        prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 5)]
+        results = wait_all(engine, [SequenceRequest(i, p, Sampling(max_new_tokens=8, temperature=0.0))
+                                    for i, p in enumerate(prompts)], timeout=60)
+    finally:
+        engine.stop()
+        thread.join(timeout=30)
+    config = HFCheckpoint.open(deepseek_dir).config
+    for prompt, result in zip(prompts, results):
+        alone = generate_tokens(model, prompt, vocab_size=tokenizer.vocab_size, eod=None, max_new_tokens=8,
+                                temperature=0.0)
+        assert result.ids == alone.ids
+    assert engine.cache_bytes() == 4 * 48 * kv_bytes_per_token(config, 1, torch.float32)
 
 
 def test_convert_both_ways_round_trips_and_transformers_reads_the_export(deepseek_dir, tmp_path):

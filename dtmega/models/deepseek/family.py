@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import dtmega.models.deepseek.fusion  # noqa: F401  (registers the family's fusion sites)
 import dtmega.models.deepseek.tp_style  # noqa: F401  (registers the "shared_across_heads" style)
 from dtmega.models.deepseek.model import DeepSeek
 from dtmega.models.llama.family import _install_dispatcher, _runtime_hooks

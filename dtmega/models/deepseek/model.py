@@ -68,6 +68,12 @@ class MultiLatentAttention(nn.Module):
         self.rotary_key = SharedAcrossHeads()
         self.core = CoreAttention()
 
+    def rotate(self, q_rot: torch.Tensor, k_rot: torch.Tensor, rope: torch.Tensor,
+               decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the queries' rotary channels [B, S, H, rope] and the shared rotary key
+        [B, S, 1, rope] (FuseKernels puts both in one kernel launch)."""
+        return apply_rope(q_rot, rope), apply_rope(k_rot, rope)
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "wq"):
             return self.wq(x)
@@ -78,10 +84,10 @@ class MultiLatentAttention(nn.Module):
         batch, seq, _ = x.shape
         q = self._query(x).view(batch, seq, -1, self.nope + self.rope)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
-        q_rot = apply_rope(q_rot, rope)
         latent, k_rot = self.wkv_a(x).split([self.latent, self.rope], dim=-1)
         latent = self.kv_norm(latent)
-        k_rot = self.rotary_key(apply_rope(k_rot.unsqueeze(2), rope))
+        q_rot, k_rot = self.rotate(q_rot, k_rot.unsqueeze(2), rope, decoding=cache is not None)
+        k_rot = self.rotary_key(k_rot)
         if self.rope_factor != 1.0:
             q_rot, k_rot = q_rot * self.rope_factor, k_rot * self.rope_factor
         offset = 0

@@ -140,16 +140,18 @@ def candidates(model: ModelShape, gpus: int, gpus_per_node: int, work: RunWorklo
 
 def _expert_choices(model: ModelShape, dp: int, kind) -> list[tuple[int, str]]:
     """(EP size, token dispatcher) pairs to try: every EP size that divides the data ranks and
-    the experts, each with the all-to-all dispatcher and, in dtmega, the flex one (a row per
-    token and rank: fewer bytes when a token's experts share ranks, as group-limited routing
-    makes them); groups that do not map onto the EP ranks are not tried (refused at launch)."""
+    the experts, each with the all-to-all dispatcher and, for a model with group-limited
+    routing in dtmega, the flex one too (a row per token and rank: fewer bytes where the groups
+    put a token's experts on few ranks; without groups its saving is a few percent, not worth
+    doubling the search); groups that do not map onto the EP ranks are not tried (refused at
+    launch). `--compare dispatcher=flex` costs a flex plan of any MoE model."""
     sizes = [e for e in divisors(dp) if model.experts and model.experts % e == 0] or [1]
     out = []
     for ep in sizes:
         if ep > 1 and model.groups and model.groups > 1 and model.groups % ep and ep % model.groups:
             continue
         out.append((ep, "alltoall"))
-        if ep > 1 and kind.name == "dtmega":
+        if ep > 1 and kind.name == "dtmega" and model.groups and model.groups > 1:
             out.append((ep, "flex"))
     return out
 

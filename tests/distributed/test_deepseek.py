@@ -54,7 +54,6 @@ def build(config: DeepSeekConfig, seed: int):
 
 PLANS = {
     "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
-    "ep2_groups": (dict(ep=2), [ExpertParallel(), DataParallel("ddp")]),
     "ep4_groups": (dict(ep=4), [ExpertParallel(), DataParallel("fsdp")]),
     "ep4_groups_flex": (dict(ep=4), [ExpertParallel(dispatcher="flex"), DataParallel("fsdp")]),
     "fsdp2": (dict(dp_shard=2), [DataParallel("fsdp")]),

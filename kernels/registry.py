@@ -64,6 +64,12 @@ def registered_kernels() -> list[str]:
 
 for _spec in (
     KernelSpec("attention.sdpa", "attention", "torch's scaled_dot_product_attention (flash/efficient/math kernels)"),
+    *(KernelSpec(f"attention.sdpa.{name}", "attention", f"scaled_dot_product_attention restricted to its {what} kernel "
+                 "(AttentionBackend)", reference=None if name == "math" else "attention.sdpa.math", devices=devices)
+      for name, what, devices in (("flash", "FlashAttention", ("cuda", "cpu")), ("cudnn", "cuDNN fused", ("cuda",)),
+                                  ("efficient", "memory-efficient", ("cuda",)), ("math", "unfused math", ()))),
+    KernelSpec("attention.flex", "attention", "FlexAttention with a causal BlockMask (AttentionBackend)",
+               reference="attention.sdpa.math", devices=("cuda",)),
     KernelSpec("attention.recomputed", "attention", "selective recompute: one op that keeps q, k, v and recomputes "
                "the attention in backward", reference="attention.sdpa"),
     *(KernelSpec(f"attention.context_parallel.{method}", "attention", f"context-parallel attention ({method})",

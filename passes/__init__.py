@@ -1,6 +1,7 @@
 """dtmega.passes: the compiler. The layout IR, the pass protocol and manager, plans, model
 families and their rule sets, and the standard passes."""
 
+from dtmega.passes.attention_backend import AttentionBackend
 from dtmega.passes.axes import MeshAxes
 from dtmega.passes.base import Pass
 from dtmega.passes.compile import Compile
@@ -35,8 +36,8 @@ from dtmega.passes.tp_styles import Style, apply_styles, register_style, registe
 from dtmega.passes.workload import Workload
 
 __all__ = [
-    "Batch", "Compilation", "Compile", "ContextParallel", "ContextSharding", "DataParallel", "DataParallelism",
-    "DocumentMasking",
+    "AttentionBackend", "Batch", "Compilation", "Compile", "ContextParallel", "ContextSharding", "DataParallel",
+    "DataParallelism", "DocumentMasking",
     "ExpertParallel", "ExpertPlacement", "Executor", "Float8", "FuseKernels", "Layout", "LayoutChange", "MeshAxes",
     "ModelFacts", "ModelFamily",
     "ModuleLayout", "ParamLayout", "Pass", "PassManager", "PassResult", "PipelineSplit", "PipelineStages", "Plan",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtmega.passes import (
+    AttentionBackend,
     FuseKernels,
     Pass,
 )
@@ -28,6 +29,19 @@ class FusionArgs:
     no_rope_fusion: bool = _opt(False, "apply RoPE to q and k with plain PyTorch ops instead of one fused kernel")
     no_bias_swiglu_fusion: bool = _opt(False, "SwiGLU with plain PyTorch ops instead of the fused kernel")
     no_rms_norm_fusion: bool = _opt(False, "RMSNorm (and the residual add before it) without the fused kernels")
+    attention_backend: str | None = _opt(None, "attention kernel: flash, fused (cuDNN's), unfused/local (plain math), "
+                                               "or auto: the fastest for the run's shapes on this GPU, measured once "
+                                               "and kept in $DTMEGA_CACHE_DIR (default on a GPU; on a CPU torch "
+                                               "picks)", ("auto", "flash", "fused", "unfused", "local"))
+
+    def attention_passes(self) -> list[Pass]:
+        """AttentionBackend for --attention-backend; without the flag, `auto` where a GPU can
+        measure, else none (torch's scaled_dot_product_attention picks the kernel)."""
+        import torch
+
+        if self.attention_backend is not None:
+            return [AttentionBackend(self.attention_backend)]
+        return [AttentionBackend("auto")] if torch.cuda.is_available() else []
 
     def fusion_passes(self) -> list[Pass]:
         """FuseKernels with each registered op's switch from its flag: None lets FuseKernels decide

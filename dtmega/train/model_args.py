@@ -47,9 +47,6 @@ class ModelArgs:
     kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
     qk_layernorm: bool = _opt(False, "normalize queries and keys per head (not supported yet)")
     apply_layernorm_1p: bool = _opt(False, "norm weights stored as (1 + w), zero-centred (not supported yet)")
-    attention_backend: str | None = _opt(None, "attention kernel (auto: torch's scaled_dot_product_attention picks it; "
-                                               "the others are not supported yet)",
-                                         ("auto", "flash", "fused", "unfused", "local"))
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
     padded_vocab_size: int | None = _opt(None, "the model's vocabulary size exactly (at least the tokenizer's, a "

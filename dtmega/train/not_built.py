@@ -160,10 +160,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("--apply-layernorm-1p", ("--apply-layernorm-1p",), lambda a: a.apply_layernorm_1p,
              "zero-centred norm weights (stored as 1 + w) are not supported yet. Fix: leave the flag out (the norm "
              "weights start at 1)"),
-    NotBuilt("--attention-backend other than auto", ("--attention-backend", "fused"),
-             lambda a: a.attention_backend not in (None, "auto"),
-             "choosing the attention kernel is not supported yet: torch's scaled_dot_product_attention picks flash, "
-             "memory-efficient or cuDNN kernels itself. Fix: --attention-backend auto, or leave it out"),
     NotBuilt("--decoupled-lr/--decoupled-min-lr", ("--decoupled-lr", "5e-4"),
              lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
              "a separate learning rate for the embedding and output layer is not supported yet. Fix: leave "

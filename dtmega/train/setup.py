@@ -280,7 +280,8 @@ def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     (dtmega/train/args.py), in plan order."""
     refuse_not_built(args)
     return Plan([*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.document_passes(),
-                 *args.fusion_passes(), *args.fp8_passes(), *args.data_parallel_passes(args.compute_dtype)])
+                 *args.fusion_passes(), *args.attention_passes(), *args.fp8_passes(),
+                 *args.data_parallel_passes(args.compute_dtype)])
 
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:

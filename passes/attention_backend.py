@@ -147,7 +147,9 @@ class AttentionBackend(Pass):
             why = "no workload gives the shapes" if shape is None else f"nothing to measure on ({device})"
             program.note(f"AttentionBackend(auto): torch's scaled_dot_product_attention picks the kernel ({why})")
             return None
-        name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else (device or "the planning machine")
+        name = device or "the planning machine"
+        if device == "cuda" and torch.cuda.is_available():
+            name = torch.cuda.get_device_name()
         candidates = [b for b in PREFERENCE if device is None or available(b, device)]
         chooser = MeasuredChoice("attention", self.cache, preference=PREFERENCE)
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -50,6 +51,11 @@ class FuseKernels(Pass):
     cross_entropy: bool = True
     impl: str = "auto"
     chunk_size: int | None = None  # tokens per chunk of the fused loss (None: ~256 MiB of fp32 logits)
+    # in blocks compiled on a GPU, each in-block op left on None keeps its kernel or goes to the
+    # compiler by a measurement (passes/fused_op_timing.py); `timer(op, candidate) -> seconds`
+    # replaces it (tests: a fake timer), `cache` is the file of measured choices
+    timer: Callable[[str, str], float] | None = None
+    cache: str | None = None
 
     provides = ("fused_kernels",)
     after = ("context_parallel@*",)  # CP replaces attention cores; RoPE is applied before them
@@ -94,20 +100,56 @@ class FuseKernels(Pass):
         program.note(f"FuseKernels({impl}): {count} modules")
 
     def finalize(self, program: Program) -> None:
-        """The fastest measured choice (docs/kernels.md): with compiled blocks on a GPU, inductor's
-        own fusion of norms, SwiGLU and RoPE beat these kernels inside the compiled graph
-        (H100, Llama 1.5 B: 58,649 tokens/s with the fused loss alone, 56,982 with every kernel),
-        so ops left on `None` go back to the compiler there; the fused loss (outside the blocks)
-        stays. Eagerly, and on the CPU (references), every kernel runs."""
-        if self._impl(program) != "triton" or program.result(Compilation) is None:
+        """Inside compiled blocks a fused kernel competes with inductor's own code for the same
+        op: each in-block op left on `None` keeps its kernel or goes back to the compiler, by a
+        measurement of both at this run's shapes on the device, once (kept on disk;
+        passes/fused_op_timing.py), or by `timer`. Without a GPU to measure on or a workload to
+        take shapes from, the rule measured on an H100 holds (Llama 1.5 B: inductor's fusion beat
+        the kernels, 58,649 against 56,982 tokens/s), so they go back to the compiler there. The
+        fused loss (outside the blocks) stays. Eagerly, and on the CPU (references), every
+        kernel runs."""
+        if program.result(Compilation) is None or (self._impl(program) != "triton" and self.timer is None):
             return
         auto = {op.name for op in FUSED_OPS.values() if op.in_blocks and getattr(self, op.switch) is None}
+        present = sorted({entry.kernel.rpartition(".")[0] for entry in program.layout.modules.values()
+                          if entry.kernel and entry.kernel.rpartition(".")[0] in auto})
+        keep = self._measured_keep(program, present)
         returned = 0
         for entry in program.layout.modules.values():
-            if entry.kernel and entry.kernel.rpartition(".")[0] in auto:
+            op = entry.kernel.rpartition(".")[0] if entry.kernel else None
+            if op in auto and not keep.get(op, False):
                 entry.kernel, returned = None, returned + 1
         if returned:
-            program.note(f"FuseKernels: {returned} norm/SwiGLU/RoPE modules left to the compiled blocks (faster there)")
+            program.note(f"FuseKernels: {returned} norm/SwiGLU/RoPE modules left to the compiled blocks "
+                         f"(faster there: {', '.join(op for op in present if not keep.get(op, False))})")
+
+    def _measured_keep(self, program: Program, ops: list[str]) -> dict[str, bool]:
+        """op -> whether its fused kernel beat inductor's code (measured or by `timer`); ops
+        that cannot be measured are absent (they go back to the compiler)."""
+        from dtmega.kernels.measured_choice import MeasuredChoice
+        from dtmega.passes.fused_op_timing import CANDIDATES, device_op_timer, op_shapes
+
+        shapes = op_shapes(program)
+        device = program.mesh.device_type if program.mesh is not None else None
+        can_measure = device == "cuda" and torch.cuda.is_available()
+        if not shapes or (self.timer is None and not can_measure):
+            return {}
+        name = torch.cuda.get_device_name() if can_measure else (device or "the planning machine")
+        chooser = MeasuredChoice("fused_op", self.cache, preference=CANDIDATES)
+        keep = {}
+        for op in ops:
+            shape = shapes.get(op)
+            if shape is None:
+                continue
+            timer = (lambda candidate, op=op: self.timer(op, candidate)) if self.timer is not None else \
+                device_op_timer(shape, torch.device("cuda", torch.cuda.current_device()))
+            try:
+                choice = chooser.choose(shape.key(name), CANDIDATES, timer)
+            except ValueError:
+                continue
+            keep[op] = choice.chosen == "triton"
+            program.note(f"FuseKernels: {op} in compiled blocks at {shape.key(name)}: {choice.describe()}")
+        return keep
 
     def apply(self, program: Program) -> None:
         family = program.family.name

@@ -57,6 +57,21 @@ class RunPlan:
         """The unsharded model to parallelize (on the meta device, or materialized by seed)."""
         return self.spec.instantiate(self.config, seed)
 
+    @property
+    def workload(self):
+        """The step's per-rank shapes, as the plan was checked with and as the passes that choose
+        kernels by measurement take them (sequence, micro-batch, compute dtype)."""
+        return run_workload(self.args, self.shape)
+
+
+def run_workload(args: TrainArgs, shape: RunShape):
+    """The passes' Workload of a run: its sequence length, micro-batch, pipeline micro-batches and
+    compute dtype."""
+    from dtmega.passes import Workload
+
+    return Workload(args.seq_length, shape.micro_batch, shape.accumulation if shape.pp > 1 else None,
+                    args.compute_dtype)
+
 
 SIZE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "num_experts")
 
@@ -270,11 +285,10 @@ def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Pla
     stops the run before any process group, data or device is touched. Returns the model's
     parameter count."""
     import dtmega
-    from dtmega.passes import Workload
 
     with torch.device("meta"):
         model = spec.build(config)
-    workload = Workload(args.seq_length, shape.micro_batch, shape.accumulation if shape.pp > 1 else None)
+    workload = run_workload(args, shape)
     try:
         dtmega.check_plan(model, shape.mesh_sizes(), plan, workload=workload)
     except dtmega.PlanError as error:  # the fix in the user's terms: flags, not the Python API's arguments

@@ -153,7 +153,7 @@ class Trainer:
         self.num_params = count_parameters(model)
         if self.spec.materialize == "seeded" and self.device_type != "cpu":
             model.to(self.device_type)
-        self.pm = dtmega.parallelize(model, self.mesh, self.plan)
+        self.pm = dtmega.parallelize(model, self.mesh, self.plan, workload=run.workload)
         if self.spec.materialize == "meta" and args.load_hf and not args.load:
             self.pm.materialize()  # the Hugging Face weights are read next: no random values first
         elif self.spec.materialize == "meta":

@@ -71,9 +71,14 @@ def _plain(op: str) -> Callable:
         return add_norm
     if op == "swiglu":
         return lambda a, b: F.silu(a) * b
-    from dtmega.models.rope import apply_rope
 
-    return lambda q, k, table: (apply_rope(q, table), apply_rope(k, table))
+    def rotate(x, table):  # RoPE on channel pairs, as the models' apply_rope: [B, S, H, D], table [S, D/2, 2]
+        pairs = x.unflatten(-1, (-1, 2))
+        cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+        even, odd = pairs[..., 0], pairs[..., 1]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    return lambda q, k, table: (rotate(q, table), rotate(k, table))
 
 
 def _fused(op: str) -> Callable:
@@ -85,13 +90,12 @@ def _fused(op: str) -> Callable:
     return {"rms_norm": lambda x, w: rms_norm(x, w, 1e-5, impl="triton"),
             "rms_norm_residual": lambda x, r, w: rms_norm_residual(x, r, w, 1e-5, impl="triton"),
             "swiglu": lambda a, b: swiglu(a, b, impl="triton"),
-            "rope": lambda q, k, table: apply_rope_qk(q, k, table[0], None, impl="triton")}[op]
+            "rope": lambda q, k, table: apply_rope_qk(q, k, table, None, impl="triton")}[op]
 
 
 def device_op_timer(shape: OpShape, device: torch.device) -> Callable[[str], float]:
     """Seconds per forward + backward of `shape.op` by each candidate on `device`."""
     from dtmega.kernels.measured_choice import device_timer
-    from dtmega.models.rope import rope_cache
 
     dtype = getattr(torch, shape.dtype)
 
@@ -101,7 +105,9 @@ def device_op_timer(shape: OpShape, device: torch.device) -> Callable[[str], flo
     def inputs() -> tuple:
         if shape.op == "rope":
             seq = shape.tokens
-            table = rope_cache(seq, shape.width, 10000.0, None, device=device).unsqueeze(0)
+            frequencies = 10000.0 ** (-torch.arange(0, shape.width, 2, device=device).float() / shape.width)
+            angles = torch.arange(seq, device=device).float()[:, None] * frequencies[None]
+            table = torch.stack([angles.cos(), angles.sin()], dim=-1)  # [S, D/2, 2], as the models' RoPE table
             return randn(1, seq, shape.heads, shape.width), randn(1, seq, shape.kv_heads, shape.width), table
         if shape.op == "rms_norm_residual":
             return randn(shape.tokens, shape.width), randn(shape.tokens, shape.width), randn(shape.width)

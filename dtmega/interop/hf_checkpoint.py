@@ -17,6 +17,7 @@ they are read, each rank only its regions: weight x its block's scale, in float3
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -50,9 +51,12 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's FP8 checkpoints: `<name>.weight_scale_inv` beside `<name>.weight`
 
 
+@functools.lru_cache(maxsize=8)
 def model_shapes(architecture: HFArchitecture, config: Any) -> dict[str, tuple[int, ...]]:
     """Every dtmega tensor's global shape for `config`, from the model built on the meta device
-    (no arithmetic of our own to disagree with the model)."""
+    (no arithmetic of our own to disagree with the model). Built once per config (opening,
+    checking and loading a checkpoint each ask; a 671 B model takes seconds to build even on the
+    meta device); callers only read the dict."""
     with torch.device("meta"):
         model = architecture.build(config)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}

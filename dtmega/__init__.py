@@ -28,6 +28,7 @@ _EXPORTS = {
     "split_world": "dtmega.mesh",
     "ParallelModel": "dtmega.parallel_model",
     "check_plan": "dtmega.parallelizer",
+    "capture_step": "dtmega.step_capture",
     "parallelize": "dtmega.parallelizer",
     "Layout": "dtmega.passes",
     "Plan": "dtmega.passes",

@@ -38,6 +38,7 @@ class ParallelModel(ModelWeights):
         self.hooks: list[RuntimeHook] = ([hook for hook in own if hook.runs_before_passes] + list(program.hooks)
                                          + [hook for hook in own if not hook.runs_before_passes])
         self.executor = program.executor or MicrobatchLoop(self._module, loss_for(program))
+        self._data_group = None  # the data (x context) ranks' group, for the step's sums
         # the per-token fields beyond the four every batch has that the plan's passes and loss read
         self.batch_fields = tuple(dict.fromkeys(
             [name for p in plan.passes for name in p.batch_fields]
@@ -174,7 +175,9 @@ class ParallelModel(ModelWeights):
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sums over every rank that holds different tokens of the global batch (data x context)."""
         if self.program.data_size() > 1:
-            dist.all_reduce(value, group=self.program.flat_submesh(self.program.data_axes()).get_group())
+            if self._data_group is None:  # found once: flattening a mesh reads its rank tensor on the host
+                self._data_group = self.program.flat_submesh(self.program.data_axes()).get_group()
+            dist.all_reduce(value, group=self._data_group)
         return value
 
     def prepare_batch(self, batch: TensorDict) -> Batch:
@@ -201,10 +204,23 @@ class ParallelModel(ModelWeights):
         accumulation; the pipeline's micro-batches under pipeline parallelism, by default the
         plan's); returns the detached global mean loss. Gradients are those of `loss_scale` x
         the loss (fp16 loss scaling)."""
+        fields, step, tokens = self.begin_step(batch, microbatches, loss_scale)
+        return self.run_step(fields, step, tokens)
+
+    def begin_step(self, batch: TensorDict, microbatches: int | None = None,
+                   loss_scale: float = 1.0) -> tuple[Batch, StepContext, torch.Tensor]:
+        """A training step's host side: this rank's batch validated and cut by the hooks, the
+        global number of loss tokens, and each hook told the step begins. `run_step` is the
+        rest; `forward_backward` is both (dtmega.step_capture compiles `run_step` alone)."""
         fields = self.prepare_batch(batch)
         step, tokens = self._step(fields, microbatches, loss_scale, train=True)
         for hook in self.hooks:
             hook.begin_step(step)
+        return fields, step, tokens
+
+    def run_step(self, fields: Batch, step: StepContext, tokens: torch.Tensor) -> torch.Tensor:
+        """A training step's device side after `begin_step`: forward and backward over every
+        micro-batch, the global mean loss (plus the hooks' extra losses)."""
         loss = self._data_sum(self.executor.run(fields, step, self.hooks)) / tokens
         for hook in self.hooks:
             extra = hook.extra_loss(step)

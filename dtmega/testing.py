@@ -102,6 +102,7 @@ def compare_training(
     eps: float = 1e-5,
     microbatches: int | None = None,
     evaluate_between_steps: bool = False,
+    capture: str | None = None,
 ) -> Comparison:
     """Trains both models `steps` AdamW steps on the same fresh random batches and returns the
     worst relative errors: loss at every step, every gradient at the first step (where both
@@ -111,11 +112,17 @@ def compare_training(
     full-size updates; `eps` (1e-5) sits above that roundoff so the trajectory comparison
     measures the plan, not Adam's conditioning.
 
+    `capture` (a torch.compile backend) trains the parallel model with `dtmega.capture_step`
+    instead: forward, backward, the optimizer step and the after-step hooks as one compiled
+    program; the gradients are read after that step (AdamW leaves them as they were).
+
     Collective: every rank of the parallel model's mesh must call it.
     """
     vocab = family_of(reference).describe(reference).vocab_size
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=eps, weight_decay=0.1)
-    par_opt = torch.optim.AdamW(parallel.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+    par_opt = torch.optim.AdamW(parallel.parameters(), lr=torch.tensor(lr) if capture else lr, eps=eps,
+                                weight_decay=0.1)
+    captured = dtmega.capture_step(parallel, par_opt, backend=capture, microbatches=microbatches) if capture else None
     result = Comparison()
     ref_params = dict(reference.named_parameters())
     for step in range(steps):
@@ -123,8 +130,11 @@ def compare_training(
         ref_opt.zero_grad()
         ref_loss = reference_loss(reference, batch)
         ref_loss.backward()
-        par_opt.zero_grad()
-        par_loss = parallel.forward_backward(parallel.shard_batch(batch), microbatches=microbatches)
+        if captured is not None:
+            par_loss = captured(parallel.shard_batch(batch))
+        else:
+            par_opt.zero_grad()
+            par_loss = parallel.forward_backward(parallel.shard_batch(batch), microbatches=microbatches)
         result.loss = max(result.loss, relative_error(par_loss, ref_loss))
         for name, param in parallel.named_parameters():
             assert param.grad is not None, f"{name} got no gradient"
@@ -135,9 +145,10 @@ def compare_training(
                     result.grad, result.worst_grad_name = error, name
         assert_covers_parameters(parallel, set(ref_params))
         ref_opt.step()
-        par_opt.step()
+        if captured is None:
+            par_opt.step()
+            parallel.after_optimizer_step()
         update_expert_bias(reference)
-        parallel.after_optimizer_step()
         for name, error in parameter_errors(parallel, ref_params).items():
             result.params[name] = max(result.params.get(name, 0.0), error)
             result.param = max(result.param, error)

@@ -4,7 +4,8 @@ in FP8 (Megatron's `--fp8-*` flags; docs/fp8.md).
 `annotate` marks which linears run in FP8 and says in the layout (`precision`) why each other
 one does not: the output layer (never by default), the first/last N blocks on request
 (Megatron's `--first-last-layers-bf16`), dimensions FP8 GEMMs do not take (not multiples of 16),
-and projections too small for FP8 to win (fewer than `min_features` in or out, torchao's
+and projections too small for FP8 to win: measured at the run's per-rank shapes on a GPU
+(passes/float8_timing.py, `measure`), else fewer than `min_features` in or out (torchao's
 auto-filter idea). It refuses a device without FP8 tensor cores (CPU is the test path), MXFP8
 off Blackwell, and a backend that is not installed, naming the install command.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ from dtmega.kernels.registry import KernelSpec, register_kernel
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.float8_groups import amax_group
+from dtmega.passes.float8_timing import CANDIDATES, LinearShape, device_linear_timer, linear_shape
 from dtmega.passes.precision import Precision
 from dtmega.passes.program import Program
 from dtmega.passes.results import DataParallelism, PassResult
@@ -71,6 +74,13 @@ class Float8(Pass):
     include_output: bool = False
     min_features: int = 1024
     device: str | None = None  # the device the plan will run on (default: the mesh's)
+    # Each eligible projection's precision by measuring FP8 against bf16 at its per-rank shape
+    # (passes/float8_timing.py) instead of `min_features`: None = where it can be (a GPU, a
+    # workload, the dtmega backend), True = insist, False = never. `timer(shape, candidate)`
+    # replaces the device (tests: a fake timer); `cache` is the file of measured choices.
+    measure: bool | None = None
+    timer: Callable[[LinearShape, str], float] | None = None
+    cache: str | None = None
 
     provides = ("float8",)
     after = ("tensor_parallel@*", "sequence_parallel@*", "expert_parallel@*", "fused_kernels")
@@ -132,6 +142,7 @@ class Float8(Pass):
         facts = program.facts
         blocks = list(facts.blocks)
         bf16_blocks = set(blocks[:self.first_blocks_bf16]) | set(blocks[len(blocks) - self.last_blocks_bf16:])
+        measuring = self._measurement(program)
         chosen = []
         for fqn, module in program.modules.items():
             if not isinstance(module, nn.Linear):
@@ -147,6 +158,8 @@ class Float8(Pass):
                 reason = "first/last blocks kept in bf16"
             elif module.in_features % 16 or module.out_features % 16:
                 reason = f"FP8 GEMMs need dimensions divisible by 16 ({module.in_features}x{module.out_features})"
+            elif measuring:
+                reason = self._measured_reason(program, fqn, module, measuring)
             elif min(module.in_features, module.out_features) < self.min_features:
                 reason = (f"too small for FP8 to win ({module.in_features}x{module.out_features} < "
                           f"{self.min_features}; min_features)")
@@ -157,7 +170,50 @@ class Float8(Pass):
             entry.kernel = f"linear.float8.{self.backend}"
             chosen.append(fqn)
         program.record(Float8Choice(self.recipe, self.format, self.backend, tuple(chosen), self.param_gather))
-        program.note(f"Float8({self.recipe}, {self.format}, {self.backend}): {len(chosen)} linears in FP8")
+        how = "measured per shape" if measuring else f"min_features {self.min_features}"
+        program.note(f"Float8({self.recipe}, {self.format}, {self.backend}): {len(chosen)} linears in FP8 ({how})")
+
+    def _measurement(self, program: Program) -> dict | None:
+        """How this plan measures the projections' precision ({"timer", "chooser", "device"}),
+        or None where `min_features` decides (with a note why)."""
+        from dtmega.kernels.measured_choice import MeasuredChoice
+
+        if self.measure is False:
+            return None
+        device = self._device(program)
+        can_measure = device == "cuda" and torch.cuda.is_available()
+        why = None
+        if self.backend != "dtmega":
+            why = f"the {self.backend} backend's kernels are not measured here"
+        elif program.workload is None:
+            why = "no workload gives the shapes"
+        elif self.timer is None and not can_measure:
+            why = f"nothing to measure on ({device})"
+        if why is not None:
+            if self.measure:
+                raise PlanError(f"Float8(measure=True): {why}. Fix: run on the GPU with the run's workload "
+                                "(dtmega.parallelize(..., workload=...)), or measure=None to fall back to min_features")
+            if self.timer is not None or can_measure:
+                program.note(f"Float8: min_features {self.min_features} decides the narrow projections ({why})")
+            return None
+        name = torch.cuda.get_device_name() if can_measure and self.timer is None else device
+        return {"chooser": MeasuredChoice("float8_linear", self.cache, preference=CANDIDATES), "device": name,
+                "shapes": {}}
+
+    def _measured_reason(self, program: Program, fqn: str, module: nn.Linear, measuring: dict) -> str | None:
+        """Why `fqn` stays bf16 by measurement (None: FP8 was faster)."""
+        shape = linear_shape(program, fqn, module, self.recipe, self.format)
+        choice = measuring["shapes"].get(shape)
+        if choice is None:
+            timer = (lambda candidate: self.timer(shape, candidate)) if self.timer is not None else \
+                device_linear_timer(shape, torch.device("cuda", torch.cuda.current_device()))
+            choice = measuring["chooser"].choose(shape.key(measuring["device"]), CANDIDATES, timer)
+            choice = measuring["shapes"][shape] = _rank_zeros(program, choice)
+            program.note(f"Float8: {shape.tokens} x {shape.in_features} -> {shape.out_features} per rank: "
+                         f"{choice.describe()}")
+        if choice.chosen == "fp8":
+            return None
+        return f"measured: bf16 is as fast or faster at {shape.in_features}->{shape.out_features} ({choice.describe()})"
 
     def finalize(self, program: Program) -> None:
         data = program.result(DataParallelism)
@@ -191,6 +247,23 @@ class Float8(Pass):
                 if self.param_gather:
                     gather_weight_in_fp8(module, Float8GatherScale(recipe, state, group, module))
         program.add_hook(Float8Scaling(states, recipe, group))
+
+
+def _rank_zeros(program: Program, choice):
+    """Rank 0's measured choice on every rank: each rank measures, but all must run the same
+    linears in FP8 (delayed scaling reduces every FP8 linear's amaxes in one collective, and a
+    tensor-parallel linear's shards must agree). Every rank annotates the same linears at the same
+    shapes in the same order, so this broadcast pairs up."""
+    import torch.distributed as dist
+
+    if program.mesh is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return choice
+    chosen = [choice.chosen]
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] != choice.chosen:
+        program.note(f"Float8: rank 0 measured {chosen[0]} where this rank measured {choice.chosen}; all take rank 0's")
+        choice = type(choice)(chosen[0], choice.seconds, choice.cached)
+    return choice
 
 
 def _fp8_forward(module: nn.Linear, recipe: Float8Recipe, state, group):

@@ -35,7 +35,11 @@ class FP8Args:
                                       ("max", "most_recent"))
     fp8_param_gather: bool = _opt(False, "FSDP all-gathers the weights in FP8 (delayed or tensorwise scaling; needs "
                                          "--use-distributed-optimizer)")
-    fp8_min_features: int = _opt(1024, "linears with fewer input or output features stay bf16 (FP8 loses there)")
+    fp8_min_features: int = _opt(1024, "where nothing is measured (no GPU, --fp8-precision size): linears with "
+                                       "fewer input or output features stay bf16 (FP8 loses there)")
+    fp8_precision: str = _opt("auto", "each projection's precision: measured FP8 against bf16 at its per-rank shape "
+                                      "on the GPU (measure; auto: where a GPU is), or by --fp8-min-features (size)",
+                              ("auto", "measure", "size"))
     first_last_layers_bf16: bool = _opt(False, "keep the first and last blocks in bf16 under FP8")
     num_layers_at_start_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the start kept bf16")
     num_layers_at_end_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the end kept bf16")
@@ -61,5 +65,6 @@ class FP8Args:
                        backend="transformer_engine" if self.transformer_impl == "transformer_engine" else "dtmega",
                        amax_history_len=self.fp8_amax_history_len, amax_compute_algo=self.fp8_amax_compute_algo,
                        param_gather=self.fp8_param_gather, min_features=self.fp8_min_features,
+                       measure={"auto": None, "measure": True, "size": False}[self.fp8_precision],
                        first_blocks_bf16=self.num_layers_at_start_in_bf16 if keep else 0,
                        last_blocks_bf16=self.num_layers_at_end_in_bf16 if keep else 0)]

@@ -36,6 +36,9 @@ class MegatronOnlyArgs:
                                                            "dtmega's, is supported)", ("fp32", "bf16"))
     fsdp_double_buffer: bool = opt(False, "Megatron-FSDP's double-buffered all-gathers (not supported yet)")
     use_nccl_ub: bool = opt(False, "NCCL user-buffer registration (not supported yet)")
+    enable_cuda_graph: bool = opt(False, "Megatron's CUDA graphs of the training step (not supported by the trainer "
+                                         "yet; dtmega.capture_step from Python)")
+    cuda_graph_scope: str | None = opt(None, "what Megatron captures in CUDA graphs (not supported by the trainer yet)")
     dist_ckpt_strictness: str = opt("raise_all", "how a load treats keys missing from or unexpected in the "
                                                  "checkpoint (only raise_all, dtmega's strict load, is supported)",
                                     ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",

@@ -145,6 +145,12 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.fsdp_double_buffer or a.use_nccl_ub,
              "Megatron-FSDP's double buffers and NCCL user-buffer registration are not supported yet. Fix: leave "
              "them out (FSDP2 allocates its own communication buffers)"),
+    NotBuilt("--enable-cuda-graph --cuda-graph-scope", ("--enable-cuda-graph",),
+             lambda a: a.enable_cuda_graph or a.cuda_graph_scope is not None,
+             "the trainer's step is not captured in CUDA graphs yet (its gradient clipping, skipped steps and loss "
+             "scaling run between the compiled parts). Fix: leave the flags out, and --compile the blocks; from "
+             "Python, dtmega.capture_step(pm, optimizer) compiles forward, backward and the optimizer step as one "
+             "program with CUDA graphs where shapes are static (docs/kernels.md)"),
     NotBuilt("--megatron-fsdp-main-grads-dtype bf16", ("--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "bf16"),
              lambda a: a.megatron_fsdp_main_grads_dtype == "bf16",
              "accumulating gradients in bf16 is not supported yet (they accumulate in fp32). Fix: "

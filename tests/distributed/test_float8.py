@@ -242,3 +242,22 @@ def test_torchao_fp8_all_gather_changes_communication_not_numerics():
                                               for key in (False, True))
         assert relative_error(loss_ag, loss) <= LINEAR_RTOL, step
         assert _worst(grads_ag, grads) <= LINEAR_RTOL, step
+
+
+def test_measured_precision_is_rank_zeros_on_every_rank(tmp_path_factory):
+    """Each rank measures FP8 against bf16 (a fake timer here: rank 0 finds FP8 faster, the others
+    bf16); every rank runs rank 0's choice, or delayed scaling's one amax collective would pair
+    different linears (issue 36)."""
+    rank = dist.get_rank()
+
+    def timer(shape, candidate):
+        return {"fp8": 1.0 if rank == 0 else 3.0, "bf16": 2.0}[candidate]
+
+    cache = tmp_path_factory.mktemp(f"fp8-rank{rank}") / "choices.json"  # each rank measures for itself
+    _, meta_copy = build_dtmega_llama(debug_llama(n_layers=1), seed=48)
+    plan = dtmega.Plan([Float8(timer=timer, cache=str(cache)), DataParallel("fsdp")])
+    pm = dtmega.parallelize(meta_copy(), mesh(), plan, workload=dtmega.Workload(seq_len=16, micro_batch=2))
+    fp8 = sorted(fqn for fqn, entry in pm.layout.modules.items() if entry.kernel == "linear.float8.dtmega")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fp8)
+    assert len(fp8) == 7 and all(choice == fp8 for choice in everyone)

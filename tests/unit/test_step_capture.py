@@ -1,0 +1,80 @@
+"""Whole-step capture on one rank (issue 36; the plans: tests/distributed/test_step_capture.py):
+the compiled step equals the eager step and the unsharded model over 5 AdamW steps, it is
+really compiled (graphs counted, the backward traced into them), and it says why anything
+stays outside: a Python-float learning rate, CUDA graphs' conditions, bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtmega
+from dtmega.models import LlamaConfig
+from dtmega.passes import Plan, PlanError
+from dtmega.step_capture import CapturedStep
+from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, relative_error
+
+
+def _one_rank(config=None, seed=5):
+    reference, meta_copy = build_dtmega_llama(config or debug_llama(), seed=seed)
+    pm = dtmega.parallelize(meta_copy(), dtmega.make_mesh(device_type="cpu"), Plan([]))
+    pm.init_weights(seed=seed)
+    return reference, pm
+
+
+def test_the_captured_step_trains_as_the_unsharded_model_and_is_compiled():
+    reference, pm = _one_rank()
+    assert_close_to_reference(compare_training(reference, pm, steps=5, capture="aot_eager"))
+
+
+def test_the_captured_step_equals_the_eager_step():
+    _, eager = _one_rank(seed=6)
+    _, captured_pm = _one_rank(seed=6)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=torch.tensor(1e-3), eps=1e-5, weight_decay=0.1)
+    captured_opt = torch.optim.AdamW(captured_pm.parameters(), lr=torch.tensor(1e-3), eps=1e-5, weight_decay=0.1)
+    step = dtmega.capture_step(captured_pm, captured_opt, backend="aot_eager", verbose=False)
+    worst = 0.0
+    for index in range(5):
+        batch = dtmega.synthetic_batch(4, 16, 256, seed=100 + index, masked_fraction=0.25)
+        eager_opt.zero_grad()
+        eager_loss = eager.forward_backward(batch)
+        eager_opt.step()
+        eager.after_optimizer_step()
+        worst = max(worst, relative_error(step(batch), eager_loss))
+        for (name, a), (_, b) in zip(captured_pm.named_parameters(), eager.named_parameters()):
+            worst = max(worst, relative_error(a.detach(), b.detach()))
+    assert worst <= 1e-5, worst
+    report = step.report
+    # one program for forward and backward, one for the optimizer step (torch's optimizer breaks
+    # the graph around its step by design): the backward is traced, not a break
+    assert report.scope == "step" and 2 <= report.graphs <= 3, report.describe()
+    assert not any("backward" in reason for reason in report.breaks), report.describe()
+    assert step.reasons == []  # the learning rate is a tensor; no GPU, so no CUDA graphs to explain
+
+
+def test_the_capture_says_why_it_falls_back():
+    _, pm = _one_rank()
+    step = CapturedStep(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), backend="aot_eager", verbose=False)
+    assert any("Python float" in reason for reason in step.reasons)
+    assert CapturedStep._cuda_graph_blockers(pm, "inductor", "cuda") == []
+    assert "inductor" in CapturedStep._cuda_graph_blockers(pm, "aot_eager", "cuda")[0]
+    assert CapturedStep._cuda_graph_blockers(pm, "inductor", "cpu") == ["CUDA graphs need a GPU"]
+    _, moe = _one_rank(LlamaConfig.from_name("debug-moe"), seed=7)
+    assert any("mixture of experts" in reason for reason in CapturedStep._cuda_graph_blockers(moe, "inductor", "cuda"))
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(backend="tvm"), "unknown"),
+                                             (dict(cuda_graphs=True), "CUDA graphs need a GPU")])
+def test_bad_capture_arguments_are_refused(kwargs, message):
+    _, pm = _one_rank()
+    with pytest.raises(PlanError, match=message):
+        dtmega.capture_step(pm, torch.optim.AdamW(pm.parameters(), lr=torch.tensor(1e-3)), **kwargs)
+
+
+def test_the_benchmark_runs_and_the_captured_losses_are_the_eager_ones(tmp_path):
+    from benchmarks.step_capture import main
+
+    result = main(["--seq", "32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "capture.json")])
+    eager, captured = result["rows"]
+    assert captured["loss_vs_eager"] <= 1e-5 and "compiled graph" in captured["capture"]
+    assert (tmp_path / "capture.json").exists()

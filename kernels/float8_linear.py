@@ -45,7 +45,7 @@ class _Float8Matmul(torch.autograd.Function):
     output features, 1: input features), so rowwise scales reduce only over sharded dims."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe: Float8Recipe, state, group, tp_group, tp_dim, out_dtype, record, ready):
+    def forward(ctx, x, w, recipe: Float8Recipe, state, group, tp_group, tp_dim, out_dtype, record):
         fwd = recipe.forward_dtype
         over_k = tp_group if tp_dim == 1 else None  # the input-feature dim is split over TP
         over_n = tp_group if tp_dim == 0 else None  # the output-feature dim is split over TP
@@ -53,17 +53,16 @@ class _Float8Matmul(torch.autograd.Function):
         if recipe.scaling == "rowwise":
             sx, sw = _row_scale(x, 1, fwd, recipe, over_k), _row_scale(w, 1, fwd, recipe, over_k)
         else:
-            sx = tensor_scale(x, X, fwd, recipe, state, group, record, ready)
+            sx = tensor_scale(x, X, fwd, recipe, state, group, record)
             # An FP8-gathered weight (--fp8-param-gather) arrives cast, with the whole weight's scale.
             sw = w._scale if isinstance(w, Float8GatheredWeight) else tensor_scale(w, W, fwd, recipe, state, group,
-                                                                                    record, ready)
+                                                                                    record)
         qx = quantize(x, sx, fwd)
         qw = w._data if isinstance(w, Float8GatheredWeight) else quantize(w, sw, fwd)
         out = scaled_mm(qx, qw.t(), sx, sw.t() if sw.dim() else sw, out_dtype)
         ctx.save_for_backward(qx, sx, qw, sw, w if recipe.scaling == "rowwise" else torch.empty(0),
                               x if recipe.scaling == "rowwise" else torch.empty(0))
         ctx.recipe, ctx.state, ctx.group, ctx.dtypes, ctx.record = recipe, state, group, (x.dtype, w.dtype), record
-        ctx.ready = ready  # the backward scales as this forward did
         return out
 
     @staticmethod
@@ -78,12 +77,12 @@ class _Float8Matmul(torch.autograd.Function):
             grad_x = scaled_mm(quantize(grad, sg, bwd), quantize(w_hp, sw_in, recipe.forward_dtype), sg, sw_in,
                                ctx.dtypes[0])
             grad_w = (grad.t().to(x_hp.dtype) @ x_hp).to(ctx.dtypes[1])  # contraction over tokens: high precision
-            return grad_x, grad_w, None, None, None, None, None, None, None, None
-        sg = tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group, ctx.record, ctx.ready)
+            return grad_x, grad_w, None, None, None, None, None, None, None
+        sg = tensor_scale(grad, G, bwd, recipe, ctx.state, ctx.group, ctx.record)
         qg = quantize(grad, sg, bwd)
         grad_x = scaled_mm(qg, qw, sg, sw, ctx.dtypes[0])
         grad_w = scaled_mm(qg.t(), qx, sg, sx, accumulation_dtype(ctx.dtypes[1])).to(ctx.dtypes[1])
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def _output_placements(x: torch.Tensor, w: torch.Tensor):
@@ -119,10 +118,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tp_group = tp_dim = None
     if isinstance(weight, DTensor) and isinstance(weight.placements[0], Shard):
         tp_group, tp_dim = weight.device_mesh.get_group(), weight.placements[0].dim % 2
-    # Whether delayed scaling has a history yet, read here rather than inside the autograd
-    # Function: a compiled step guards on it at this call and recompiles when it changes
-    ready = state is not None and state.ready
-    out = _Float8Matmul.apply(flat, local_w, recipe, state, group, tp_group, tp_dim, out_dtype, record, ready)
+    out = _Float8Matmul.apply(flat, local_w, recipe, state, group, tp_group, tp_dim, out_dtype, record)
     out = out.view(*local_x.shape[:-1], -1)
     if isinstance(weight, DTensor):
         out = DTensor.from_local(out, weight.device_mesh, _output_placements(x, weight), run_check=False)

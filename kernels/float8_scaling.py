@@ -74,17 +74,14 @@ def reduce_and_update_scales(states: list[Float8State], recipe: Float8Recipe, gr
 
 
 def tensor_scale(t: torch.Tensor, index: int, dtype, recipe: Float8Recipe, state: Float8State | None, group,
-                 record: bool, ready: bool | None = None):
+                 record: bool):
     """The scale of `t` (tensor `index` of the linear: X, W or G) under a per-tensor recipe:
     delayed scaling's current scale once it has a history, else max_fp8 / amax of `t` reduced
     over `group` (the whole tensor's). Delayed scaling adds t's amax to the step's when
-    `record` (a training pass on real data). FP8 all-gather casts weight shards with it too.
-    `ready` (default: the state's) is whether the history is used: a backward passes what its
-    forward saw, so a compiled step's backward, traced with its forward, branches as the
-    forward did (the forward recompiles when the state becomes ready; the backward with it)."""
+    `record` (a training pass on real data). FP8 all-gather casts weight shards with it too."""
     if recipe.scaling == "delayed":
         if record:
             state.record(index, amax(t))
-        if state.ready if ready is None else ready:
+        if state.ready:
             return state.scale[index].to(t.device)
     return scale_from_amax(reduce_max(amax(t), group), dtype, recipe.margin)

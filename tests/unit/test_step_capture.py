@@ -1,7 +1,9 @@
 """Whole-step capture on one rank (issue 36; the plans: tests/distributed/test_step_capture.py):
 the compiled step equals the eager step and the unsharded model over 5 AdamW steps, it is
-really compiled (graphs counted, the backward traced into them), and it says why anything
-stays outside: a Python-float learning rate, CUDA graphs' conditions, bad arguments."""
+really compiled (graphs counted, the backward traced into them), FP8 delayed scaling (its
+backward's amax record and the after-step scale update inside the program) equals the eager
+run, and it says why anything stays outside: a Python-float learning rate, CUDA graphs'
+conditions, bad arguments."""
 
 from __future__ import annotations
 
@@ -10,9 +12,16 @@ import torch
 
 import dtmega
 from dtmega.models import LlamaConfig
-from dtmega.passes import Plan, PlanError
+from dtmega.passes import Float8, Plan, PlanError
 from dtmega.step_capture import CapturedStep
-from tests.helpers import assert_close_to_reference, build_dtmega_llama, compare_training, debug_llama, relative_error
+from tests.helpers import (
+    assert_close_to_reference,
+    build_dtmega_llama,
+    compare_training,
+    debug_llama,
+    full,
+    relative_error,
+)
 
 
 def _one_rank(config=None, seed=5):
@@ -50,6 +59,54 @@ def test_the_captured_step_equals_the_eager_step():
     assert report.scope == "step" and 2 <= report.graphs <= 3, report.describe()
     assert not any("backward" in reason for reason in report.breaks), report.describe()
     assert step.reasons == []  # the learning rate is a tensor; no GPU, so no CUDA graphs to explain
+
+
+
+def test_a_captured_fp8_step_equals_the_eager_step():
+    """FP8 delayed scaling, in float64 (both runs then hold the same FP8 values, as
+    tests/distributed/test_float8.py argues): the backward's amax record runs inside the traced
+    program, the scale update as its after-step hook, and the step recompiles when the history
+    starts (step 2 scales from it, step 1 from the tensors). Losses, weights, amax histories and
+    scales equal the eager run's (1e-5; in fp32 optimizer arithmetic they drift 0.04 apart by
+    step 2, see below)."""
+    _, meta_copy = build_dtmega_llama(debug_llama(tie_embeddings=False, n_layers=1), seed=73)  # tracing FP8 is slow
+    models = []
+    for _ in range(2):
+        plan = Plan([Float8(recipe="delayed", amax_history_len=4, min_features=16)])
+        pm = dtmega.parallelize(meta_copy().to(torch.float64), dtmega.make_mesh(device_type="cpu"), plan)
+        pm.init_weights(seed=73)
+        models.append(pm)
+    # float64 all the way: a compiled AdamW computes its bias corrections from its `step` tensors
+    # (the default dtype) where the eager one takes Python floats; in fp32 that alone moves the
+    # weights by ~1e-6, enough to round some FP8 values the other way
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        worst = _train_both(*models)
+    finally:
+        torch.set_default_dtype(default)
+    assert worst <= 1e-5, worst
+
+
+def _train_both(eager, captured) -> float:
+    """The worst relative error of the captured run against the eager one over 5 AdamW steps:
+    losses, weights, FP8 histories and scales."""
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=torch.tensor(1e-3), eps=1e-5)
+    step = dtmega.capture_step(captured, torch.optim.AdamW(captured.parameters(), lr=torch.tensor(1e-3), eps=1e-5),
+                               backend="aot_eager", verbose=False)
+    worst = 0.0
+    for index in range(5):
+        batch = dtmega.synthetic_batch(4, 16, 256, seed=200 + index)
+        eager_opt.zero_grad()
+        loss = eager.forward_backward(batch)
+        eager_opt.step()
+        eager.after_optimizer_step()
+        worst = max(worst, relative_error(step(batch), loss))
+        for (_, a), (_, b) in zip(captured.named_parameters(), eager.named_parameters()):
+            worst = max(worst, relative_error(full(a.detach()), full(b.detach())))
+    scales = [captured.runtime_state_dict(), eager.runtime_state_dict()]
+    assert scales[0].keys() == scales[1].keys() and scales[0]
+    return max([worst] + [relative_error(scales[0][key], scales[1][key]) for key in scales[0]])
 
 
 def test_the_capture_says_why_it_falls_back():

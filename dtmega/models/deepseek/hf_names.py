@@ -28,7 +28,7 @@ import re
 import torch
 
 from dtmega.models.deepseek.config import DeepSeekConfig
-from dtmega.models.llama.hf_names import WeightSource, hf_rows_to_dtmega
+from dtmega.models.llama.hf_names import WeightSource, hf_rows_to_dtmega, top_level_source
 
 _ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
               "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
@@ -36,8 +36,6 @@ _DENSE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _NORMS = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
         "norm.weight": "shared_head.norm.weight"}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _MTP_NAME = re.compile(r"mtp\.(\d+)\.(.+)")
 
@@ -93,11 +91,9 @@ def hf_source(name: str, config: DeepSeekConfig, hf_names: set[str] | None = Non
               rope_interleave: bool = True) -> WeightSource:
     """The HF tensor(s) dtmega's `name` is read from (`hf_names`: the checkpoint's tensors, to
     find a tied `lm_head`). KeyError for a name with no HF counterpart."""
-    if name in _TOP:
-        hf = _TOP[name]
-        if name == "output.weight" and (config.tie_embeddings or (hf_names is not None and hf not in hf_names)):
-            hf = _TOP["tok_embeddings.weight"]
-        return WeightSource((hf,))
+    top = top_level_source(name, config.tie_embeddings, hf_names)
+    if top is not None:
+        return top
     match = _LAYER.fullmatch(name)
     if match is not None:
         index, rest = match.groups()

@@ -79,14 +79,24 @@ NAME_TABLE = [(f"layers.{{i}}.{ours}", f"model.layers.{{i}}.{theirs}") for ours,
 ] + [(ours, theirs) for ours, theirs in _TOP.items()]
 
 
+def top_level_source(name: str, tied: bool, hf_names: set[str] | None = None) -> WeightSource | None:
+    """Where the embedding, final norm and output layer come from in an HF decoder checkpoint
+    (None for any other name): a tied model's output layer, or one whose checkpoint has no
+    `lm_head` (transformers does not write a tied copy), is read from the embedding."""
+    if name not in _TOP:
+        return None
+    hf = _TOP[name]
+    if name == "output.weight" and (tied or (hf_names is not None and hf not in hf_names)):
+        hf = _TOP["tok_embeddings.weight"]
+    return WeightSource((hf,))
+
+
 def hf_source(name: str, config: LlamaConfig, hf_names: set[str] | None = None) -> WeightSource:
     """The HF tensor(s) dtmega's `name` is read from (`hf_names`: the checkpoint's tensors, to
     find a tied `lm_head`). KeyError for a name with no HF counterpart."""
-    if name in _TOP:
-        hf = _TOP[name]
-        if name == "output.weight" and (config.tie_embeddings or (hf_names is not None and hf not in hf_names)):
-            hf = _TOP["tok_embeddings.weight"]
-        return WeightSource((hf,))
+    top = top_level_source(name, config.tie_embeddings, hf_names)
+    if top is not None:
+        return top
     match = _LAYER.fullmatch(name)
     if match is None:
         raise KeyError(name)

@@ -5,7 +5,7 @@ same model, batches and seeds.
     python benchmarks/step_capture.py                          # CPU: aot_eager (a smoke run, not a result)
     python benchmarks/step_capture.py --device cuda            # a GPU: inductor + CUDA graphs, bf16 weights
 
-One process, one rank, dtmega's Llama (CPU: width 128, 2 blocks; CUDA: width 1024, 8 blocks, bf16),
+One process, one rank, dtmega's Llama (CPU: width 128, 1 block; CUDA: width 1024, 8 blocks, bf16),
 seq `--seq`, batch `--batch`. Each row: the median step time of `--steps` timed steps after
 `--warmup` (compilation happens there), tokens/s, the run-to-run spread, and the worst relative
 difference of the captured run's losses from the eager run's.
@@ -37,7 +37,7 @@ def run(captured: bool, args, device: torch.device) -> dict:
     from dtmega.passes import Plan
 
     cuda = device.type == "cuda"
-    config = LlamaConfig(dim=1024 if cuda else 128, n_layers=8 if cuda else 2, n_heads=16 if cuda else 4,
+    config = LlamaConfig(dim=1024 if cuda else 128, n_layers=8 if cuda else 1, n_heads=16 if cuda else 4,
                          n_kv_heads=8 if cuda else 2, ffn_dim=2816 if cuda else 256, vocab_size=32000 if cuda else 1024,
                          max_seq_len=args.seq)
     with torch.device("meta"):

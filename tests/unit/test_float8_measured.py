@@ -88,3 +88,17 @@ def test_without_a_measurement_the_size_rule_decides_and_insisting_is_refused(tm
         dtmega.check_plan(_model(), {}, Plan([Float8(measure=True, timer=WidthTimer(1))]))
     with pytest.raises(PlanError, match="nothing to measure on"):
         dtmega.check_plan(_model(), {}, Plan([Float8(measure=True)]), workload=WORKLOAD)
+
+
+def test_the_trainer_flag_sets_how_precision_is_chosen():
+    from dtmega.train.args import ArgumentError, parse_train_args
+
+    def measure(*flags):
+        (fp8,) = parse_train_args(["--fp8-hybrid", *flags])[0].fp8_passes()
+        return fp8.measure
+
+    assert measure() is None  # auto: measured where a GPU is, min_features elsewhere
+    assert measure("--fp8-precision", "measure") is True
+    assert measure("--fp8-precision", "size", "--fp8-min-features", "512") is False
+    with pytest.raises(ArgumentError, match="fp8-precision"):
+        parse_train_args(["--fp8-hybrid", "--fp8-precision", "fast"])

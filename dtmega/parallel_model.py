@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from dtmega.batch import unpack_batch
+from dtmega.compile_guard import refuse_whole_step_compile
 from dtmega.kernels.errors import DtmegaError
 from dtmega.model_weights import ModelWeights
 from dtmega.passes import Layout, Plan, PlanError, Program
@@ -203,7 +204,9 @@ class ParallelModel(ModelWeights):
         """Forward and backward over this rank's `batch`, split into `microbatches` (gradient
         accumulation; the pipeline's micro-batches under pipeline parallelism, by default the
         plan's); returns the detached global mean loss. Gradients are those of `loss_scale` x
-        the loss (fp16 loss scaling)."""
+        the loss (fp16 loss scaling). Not for `torch.compile` (PlanError naming `Compile()` and
+        `dtmega.capture_step`, which compile what can be)."""
+        refuse_whole_step_compile("forward_backward")
         fields, step, tokens = self.begin_step(batch, microbatches, loss_scale)
         return self.run_step(fields, step, tokens)
 
@@ -212,6 +215,7 @@ class ParallelModel(ModelWeights):
         """A training step's host side: this rank's batch validated and cut by the hooks, the
         global number of loss tokens, and each hook told the step begins. `run_step` is the
         rest; `forward_backward` is both (dtmega.step_capture compiles `run_step` alone)."""
+        refuse_whole_step_compile("begin_step")
         fields = self.prepare_batch(batch)
         step, tokens = self._step(fields, microbatches, loss_scale, train=True)
         for hook in self.hooks:
@@ -231,6 +235,7 @@ class ParallelModel(ModelWeights):
     def loss_sum(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of loss tokens) of the *global* batch this rank's `batch` is part
         of, without gradients: for validation, where batches are averaged by tokens."""
+        refuse_whole_step_compile("loss_sum")
         fields = self.prepare_batch(batch)
         step, tokens = self._step(fields, None, 1.0, train=False)
         total = self._data_sum(self.executor.run(fields, step, self.hooks))

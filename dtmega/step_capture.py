@@ -18,6 +18,10 @@ What stays outside the program, and why (each is in `step.reasons` and printed o
   pytorch/pytorch#104053; FSDP2's hooks run between graphs): the program is then a few graphs,
   each compiled, counted and named in `step.describe()`.
 
+Torch's own messages while the step compiles (Dynamo prints hundreds of traceback lines per frame
+it gives up on under tensor parallelism) go to a log file per rank, not to the console; the
+summary names it (dtmega/torch_messages.py).
+
 CUDA graphs (`mode="reduce-overhead"`) are used on a GPU when every shape is static: not for
 mixture-of-experts models (tokens per expert change every step), pipeline schedules, FSDP2
 (its all-gathers run in hooks between graphs) or backends other than inductor. On the CPU the
@@ -27,12 +31,14 @@ model over 5 AdamW steps under every plan (tests/distributed/test_step_capture.p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
 
 from dtmega.passes.errors import PlanError
+from dtmega.torch_messages import TorchMessagesToFile, default_log_path
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -48,6 +54,7 @@ class CaptureReport:
     reasons: list[str] = field(default_factory=list)
     graphs: int = 0
     breaks: dict[str, int] = field(default_factory=dict)
+    log_file: str | None = None  # where torch's own messages (Dynamo's tracebacks, warnings) went, if any
 
     def describe(self) -> str:
         """The capture in a few lines, for the console and the logs."""
@@ -56,6 +63,8 @@ class CaptureReport:
                  f"in {self.graphs} compiled graph{'s' if self.graphs != 1 else ''}"]
         lines += [f"  graph break x{count}: {reason}" for reason, count in self.breaks.items()]
         lines += [f"  falls back: {reason}" for reason in self.reasons]
+        if self.log_file is not None:
+            lines.append(f"  torch's messages (Dynamo's tracebacks, warnings): {self.log_file}")
         return "\n".join(lines)
 
 
@@ -70,7 +79,8 @@ class CapturedStep:
     """A training step compiled as one program (see the module docstring)."""
 
     def __init__(self, pm, optimizer: torch.optim.Optimizer, *, backend: str = "inductor",
-                 cuda_graphs: bool | None = None, microbatches: int | None = None, verbose: bool = True):
+                 cuda_graphs: bool | None = None, microbatches: int | None = None, verbose: bool = True,
+                 log_file: str | os.PathLike | None = None):
         if backend not in BACKENDS:
             raise PlanError(f"capture_step(backend={backend!r}) is unknown; use one of {BACKENDS}")
         device = pm.mesh.device_type
@@ -98,6 +108,9 @@ class CapturedStep:
         body = self._optimizer_step if scope == "optimizer" else self._device_step
         self._compiled = torch.compile(body, backend=backend, mode=mode)
         self._steps = 0
+        # torch's own messages while the step compiles or runs (Dynamo's "won't convert" tracebacks:
+        # hundreds of lines per frame under TP) go to this file; the summary names it
+        self.messages = TorchMessagesToFile(log_file if log_file is not None else default_log_path("capture_step"))
 
     @staticmethod
     def _cuda_graph_blockers(pm, backend: str, device: str) -> list[str]:
@@ -134,7 +147,7 @@ class CapturedStep:
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         # trace_autograd_ops: Dynamo traces loss.backward() into the program instead of breaking
         # there; suppress_errors: a frame Dynamo cannot compile runs eagerly (counted as a break)
-        with torch._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=True):
+        with self.messages, torch._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=True):
             if self.report.scope == "optimizer":
                 loss = self.pm.forward_backward(batch, microbatches=self.microbatches)
                 self._compiled()
@@ -145,6 +158,7 @@ class CapturedStep:
                 loss = self._compiled(fields, step, tokens)
         self._steps += 1
         if self._steps == 1:
+            self.report.log_file = str(self.messages.path) if self.messages.written else None
             self.report.graphs = counters["stats"]["unique_graphs"] - graphs
             for reason, count in counters["graph_break"].items():
                 if count > breaks.get(reason, 0):
@@ -168,11 +182,14 @@ class CapturedStep:
 
 
 def capture_step(pm, optimizer: torch.optim.Optimizer, *, backend: str = "inductor", cuda_graphs: bool | None = None,
-                 microbatches: int | None = None, verbose: bool = True) -> CapturedStep:
+                 microbatches: int | None = None, verbose: bool = True,
+                 log_file: str | os.PathLike | None = None) -> CapturedStep:
     """`pm`'s training step (forward, backward, `optimizer.step()`, the plan's after-step hooks)
     compiled as one program, CUDA graphs where shapes are static: a step without Python's and
     the launcher's overhead between kernels. `cuda_graphs=None` uses them where they can be
     (a GPU, inductor, static shapes), True insists (PlanError where they cannot be), False never.
-    The first call compiles and prints what was captured and why anything falls back."""
+    The first call compiles and prints what was captured and why anything falls back. Torch's own
+    messages meanwhile (Dynamo's graph-break tracebacks, warnings) go to `log_file` (default: one
+    file per rank under the temp dir's dtmega/), which the summary names, not to the console."""
     return CapturedStep(pm, optimizer, backend=backend, cuda_graphs=cuda_graphs, microbatches=microbatches,
-                        verbose=verbose)
+                        verbose=verbose, log_file=log_file)

@@ -28,6 +28,9 @@ class Pass:
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
     after: ClassVar[tuple[str, ...]] = ()
+    # Capability globs (or class names) of passes whose layout decisions this pass may change
+    # (refine): any other change to a decision another pass made is refused (passes/decisions.py).
+    refines: ClassVar[tuple[str, ...]] = ()
     # Structural passes change which modules exist on this rank (pipeline splitting); they apply
     # before every other pass, whatever their place in the plan, so the others shard the pieces.
     structural: ClassVar[bool] = False
@@ -94,6 +97,10 @@ class Pass:
         """Capability globs that, if any pass in the plan provides them, must come earlier."""
         return self._fill(self.after)
 
+    def refined(self) -> tuple[str, ...]:
+        """Capability globs of the passes whose layout decisions this pass may change."""
+        return self._fill(self.refines)
+
     # ---- config -------------------------------------------------------------------------------
     @property
     def name(self) -> str:
@@ -111,6 +118,11 @@ class Pass:
                 value = [rule.to_dict() for rule in value]
             data[f.name] = value
         return data
+
+    @staticmethod
+    def registered(name: str) -> type["Pass"] | None:
+        """The pass class of that name (registered when its module was imported), or None."""
+        return _PASS_TYPES.get(name)
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Pass":

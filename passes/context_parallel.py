@@ -87,6 +87,7 @@ class ContextParallel(Pass):
     load_balance: str | None = "zigzag"
 
     provides = ("context_parallel@{axis}",)
+    refines = ("document_masking",)  # its attention kernel masks the documents DocumentMasking chose (options)
     role = "context"
 
     def annotate(self, program: Program) -> None:

@@ -32,7 +32,8 @@ class DataParallel(Pass):
     """Replicates the model over the data-parallel axes and averages gradients.
 
     mode="fsdp": shard parameters, gradients and optimizer state over `dp_shard` (FSDP2,
-    one unit per block plus the root). mode="hsdp": shard over `dp_shard`, replicate over
+    one unit per block plus the root; or, where an earlier pass chose units with `wrap`,
+    those plus the root). mode="hsdp": shard over `dp_shard`, replicate over
     `dp_replicate`. mode="ddp": replicate over all data-parallel ranks, all-reduce gradients.
     `param_dtype` is the compute dtype (bf16 mixed precision keeps fp32 master weights);
     `reduce_dtype` is the gradient-reduction dtype. Must be the last pass: it wraps the
@@ -84,8 +85,9 @@ class DataParallel(Pass):
                             "with flags, --use-distributed-optimizer with --cpu-optimizer")
         placement = program.result(ExpertPlacement)
         experts = set(placement.experts if placement else ())
-        blocks = program.blocks(self.blocks)
-        if program.data_size() == 1 and not self.offload:
+        chosen = self._units_chosen_before(program)
+        blocks = [fqn for fqn in chosen if fqn] or program.blocks(self.blocks)
+        if program.data_size() == 1 and not self.offload and not chosen:
             self._annotate_one_rank(program)
             return
         for fqn, param in program.layout.params():
@@ -110,8 +112,30 @@ class DataParallel(Pass):
                                        self.replicate_axis))
         over = " x ".join(f"{axis}={program.mesh_shape[axis]}" for axis in program.data_axes() if
                           program.mesh_shape[axis] > 1) or "1 rank"
-        program.note(f"DataParallel({self.mode}) over {over}, {len(blocks)} blocks + root"
+        units = f"{len(blocks)} units another pass chose" if any(chosen) else f"{len(blocks)} blocks"
+        program.note(f"DataParallel({self.mode}) over {over}, {units} + root"
                      + (f" + {len(experts)} expert groups" if experts else ""))
+
+    def _units_chosen_before(self, program: Program) -> list[str]:
+        """The modules an earlier pass made data-parallel units (`wrap`), which this pass keeps
+        as its units instead of every block ("FSDP only on the later blocks"; the root and the
+        expert groups are units all the same). PlanError naming both passes and the module where
+        they disagree: a unit of another mode, or this pass's own `blocks` choosing too."""
+        chosen = [fqn for fqn, entry in program.layout.modules.items() if entry.wrap is not None]
+        for fqn in chosen:
+            wrap = program.layout[fqn].wrap
+            owner = program.decided_by(fqn, "wrap") or "an earlier pass"
+            if wrap != self.mode:
+                fix = (f"DataParallel(mode={wrap!r}) (with flags, --data-parallel {wrap}), or" if wrap in MODES
+                       else f"one of {MODES} from {owner}, or")
+                raise PlanError(f"{owner} made {fqn or '<root>'} a {wrap!r} data-parallel unit, but DataParallel(mode="
+                                f"{self.mode!r}) builds {self.mode!r} units: the two passes disagree on how "
+                                f"{fqn or '<root>'} is wrapped. Fix: {fix} {owner} choosing {self.mode!r} units")
+            if self.blocks is not None and fqn:
+                raise PlanError(f"{owner} chose the data-parallel units ({fqn}, ...) and DataParallel(blocks="
+                                f"{self.blocks!r}) chooses them too. Fix: leave blocks unset (the units {owner} "
+                                "chose are kept), or drop the units from it")
+        return chosen
 
     def _annotate_one_rank(self, program: Program) -> None:
         """One data-parallel rank: nothing to shard, replicate or reduce, so no FSDP/DDP unit
@@ -167,7 +191,7 @@ class DataParallel(Pass):
         return program.flat_submesh((self.replicate_axis, *shard_axes))
 
     def apply(self, program: Program) -> None:
-        if program.data_size() == 1 and not self.offload:
+        if program.layout[""].wrap is None:  # one data-parallel rank and no unit chosen: no wrapping
             precision = program.layout[""].precision
             if precision is not None and precision.autocast:
                 dtype = _dtype(self.param_dtype)

@@ -12,6 +12,7 @@ from typing import Sequence
 from dtmega.kernels.registry import kernel_spec, kernels_for
 from dtmega.passes.axes import MeshAxes
 from dtmega.passes.base import Pass, matches_capability
+from dtmega.passes.decisions import decisions_of
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
 
@@ -145,8 +146,12 @@ class PassManager:
         check_axes(self.passes, program.mesh_shape)
         program.axes = MeshAxes.from_passes(self.passes, program.mesh_shape)
         record_axis_uses(self.passes, program)
+        decided = decisions_of(program.layout)
         for current in self.passes:
             current.annotate(program)
+            now = decisions_of(program.layout)
+            program.decisions.record(decided, now, current)  # no pass silently replaces another's decision
+            decided = now
             program.note(f"annotated {current.name}")
         for current in self.passes:
             current.finalize(program)

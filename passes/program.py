@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtmega.passes.axes import MeshAxes, complete_mesh_shape
+from dtmega.passes.decisions import Decisions
 from dtmega.passes.errors import PlanError
 from dtmega.passes.families import ModelFacts, ModelFamily, family_of, known_families
 from dtmega.passes.layout import Layout
@@ -60,6 +61,8 @@ class Program:
     # a step's micro-batches (None: the plain micro-batch loop). See passes/runtime.py.
     hooks: list = field(default_factory=list)
     executor: object = None
+    # Which pass made each layout decision (recorded by the PassManager; passes/decisions.py).
+    decisions: Decisions = field(default_factory=Decisions)
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -200,6 +203,12 @@ class Program:
         if len(found) != 1:
             raise KeyError(f"{fqn!r} is in {len(found)} local parts, not exactly one")
         return found[0]
+
+    def decided_by(self, fqn: str, name: str) -> str | None:
+        """The pass whose `annotate` wrote decision `name` of module `fqn` ("wrap", "kernel",
+        "inputs[tp]", "params.weight[tp]"), or None if no pass did: a pass that fills what
+        nobody decided reads it to leave the others' decisions alone, or to refuse naming them."""
+        return self.decisions.decided_by(fqn, name)
 
     def note(self, message: str) -> None:
         """Records what a pass did, for `ParallelModel.log`."""

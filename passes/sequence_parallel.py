@@ -27,6 +27,7 @@ class SequenceParallel(Pass):
 
     requires = ("tensor_parallel@{axis}",)
     provides = ("sequence_parallel@{axis}",)
+    refines = ("tensor_parallel@{axis}",)  # turns its all-reduces into reduce-scatters, styles its norms
 
     def __post_init__(self) -> None:
         self.rules = [Rule.coerce(r) for r in self.rules]

@@ -57,3 +57,23 @@ def _register() -> None:
 
 
 _register()
+
+
+# ---- data-parallel units of one's own: FSDP on the later blocks only -------------------------
+@dataclass
+class LaterBlocksAsUnits(Pass):
+    """Only the blocks from `first` on become data-parallel units (the earlier blocks' weights
+    stay in the root's unit); DataParallel, after it, builds the units the layout names."""
+
+    first: int = 1
+    mode: str = "fsdp"
+
+    def mesh_axes(self) -> tuple[str, ...]:
+        return ()
+
+    def annotate(self, program: Program) -> None:
+        for block in program.blocks()[self.first:]:
+            program.layout[block].wrap = self.mode
+
+    def apply(self, program: Program) -> None:
+        pass

@@ -11,6 +11,7 @@ from dtmega.data.gpt_dataset import (
     GPTDatasetSpec,
     cached_index,
     split_documents,
+    split_sequences,
 )
 from dtmega.data.indexed import IndexedDataset
 from dtmega.kernels.errors import DtmegaError
@@ -93,24 +94,58 @@ class DataConfig:
     # --train/--valid/--test-data-path: each split's own blend, every document of it used (the
     # split proportions and data_path are then not read); an empty one builds no such split
     per_split: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
+    mmap: bool = True  # False: --no-mmap-bin-files, tokens read with file reads
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One split as the run will read it, decided from the indices alone (nothing built): its
+    components (weight, the dataset's spec), how many samples are wanted, and how many documents
+    it holds. `build()` makes the dataset; the dry run stops before it."""
+
+    name: str
+    components: tuple[tuple[float, GPTDatasetSpec], ...]
+    wanted: int
+    documents: int
+    mmap: bool = True
+
+    def build(self) -> GPTDataset | BlendedDataset:
+        """The split's dataset (sample indices built once, cached beside the data)."""
+        parts = [(weight, GPTDataset(IndexedDataset(spec.prefix, self.mmap), spec)) for weight, spec in self.components]
+        if len(parts) == 1:
+            return parts[0][1]
+        weights = [w for w, _ in parts]
+        total = sum(weights)
+        key = f"{self.name}-{len(parts)}-{self.wanted}-{parts[0][1].spec.seed}-" + "-".join(
+            f"{w / total:.6f}" for w in weights)
+        return BlendedDataset([d for _, d in parts], [w / total for w in weights], self.wanted, key)
+
+
+def plan_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str, SplitPlan | None]:
+    """What `build_datasets` will build, checked from the `.idx` files alone: every split's
+    documents, and every component long enough for one sample (DatasetTooSmallError otherwise).
+    None where a split has no documents or no samples are asked for. The dry run and the launch
+    both call it, so they refuse the same data with the same words."""
+    if config.per_split is not None:
+        return {name: _plan_split(name, parse_data_path(list(paths)), config, num_samples.get(name, 0), whole=True)
+                if paths else None for name, paths in zip(SPLITS, config.per_split)}
+    blend = parse_data_path(list(config.data_path))
+    return {name: _plan_split(name, blend, config, num_samples.get(name, 0)) for name in SPLITS}
 
 
 def build_datasets(config: DataConfig, num_samples: dict[str, int]) -> dict[str, GPTDataset | BlendedDataset | None]:
     """train/valid/test datasets with at least `num_samples[split]` samples each (None where a
     split has no documents or no samples are asked for): the --split parts of one blend, or
     with `config.per_split` each split's own blend, whole."""
-    if config.per_split is not None:
-        return {name: _split_dataset(name, parse_data_path(list(paths)), config, num_samples.get(name, 0), whole=True)
-                if paths else None for name, paths in zip(SPLITS, config.per_split)}
-    blend = parse_data_path(list(config.data_path))
-    return {name: _split_dataset(name, blend, config, num_samples.get(name, 0)) for name in SPLITS}
+    return {name: plan.build() if plan is not None else None
+            for name, plan in plan_datasets(config, num_samples).items()}
 
 
-def _split_dataset(name: str, blend: list[tuple[float, str]], config: DataConfig, wanted: int,
-                   whole: bool = False) -> GPTDataset | BlendedDataset | None:
+def _plan_split(name: str, blend: list[tuple[float, str]], config: DataConfig, wanted: int,
+                whole: bool = False) -> SplitPlan | None:
     """One split: each component's documents in it (`whole`: all of them), blended by weight."""
     split_index = SPLITS.index(name)
-    parts = []
+    components, documents = [], 0
     for weight, prefix in blend:
         dataset = IndexedDataset(prefix)
         lo, hi = (0, dataset.num_documents) if whole else \
@@ -121,12 +156,9 @@ def _split_dataset(name: str, blend: list[tuple[float, str]], config: DataConfig
         share = wanted if len(blend) == 1 else int(np.ceil(weight * wanted * 1.005))
         spec = GPTDatasetSpec(prefix, name, (lo, hi), config.seq_length, share, config.seed, dataset.identity,
                               config.cache_dir)
-        parts.append((weight, GPTDataset(dataset, spec)))
-    if not parts:
+        split_sequences(dataset, spec)  # a component shorter than one sample is refused here, before anything is built
+        components.append((weight, spec))
+        documents += hi - lo
+    if not components:
         return None
-    if len(parts) == 1:
-        return parts[0][1]
-    weights = [w for w, _ in parts]
-    total = sum(weights)
-    key = f"{name}-{len(parts)}-{wanted}-{config.seed}-" + "-".join(f"{w / total:.6f}" for w in weights)
-    return BlendedDataset([d for _, d in parts], [w / total for w in weights], wanted, key)
+    return SplitPlan(name, tuple(components), wanted, documents, config.mmap)

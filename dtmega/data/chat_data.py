@@ -19,8 +19,9 @@ sample records its conversations' boundaries, which `dtmega train --sft` hands t
 masking (attention within each conversation, positions restarting at each).
 
 The output is `<prefix>_sft.bin` (N x 3 x (S + 1) int32: tokens, loss flags, conversation ids)
-and `<prefix>_sft.json` (format, sizes, counts, tokenizer and template); dtmega/data/sft_dataset.py
-reads it. Bad input is one error naming the line and the fix, before anything is written.
+and `<prefix>_sft.json` (format, sizes, counts, template, and the tokenizer by reference: its
+file's path and sha256, dtmega/data/tokenizer_reference.py); dtmega/data/sft_dataset.py reads it.
+Bad input is one error naming the line and the fix, before anything is written.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
+from dtmega.data.tokenizer_reference import tokenizer_reference
 from dtmega.kernels.errors import DtmegaError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -139,8 +141,9 @@ def pack(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatTemplate, seq_length: int,
-                    overlong: str = "truncate", tokenizer_json: str = "") -> ChatCounts:
-    """Renders, tokenizes, packs and writes `<prefix>_sft.bin/.json` (module docstring)."""
+                    overlong: str = "truncate", tokenizer_source: str | Path | None = None) -> ChatCounts:
+    """Renders, tokenizes, packs and writes `<prefix>_sft.bin/.json` (module docstring).
+    `tokenizer_source` (--tokenizer-model) is recorded by reference: path and sha256."""
     if overlong not in OVERLONG:
         raise ChatDataError(f"--chat-overlong {overlong!r}; use one of {', '.join(OVERLONG)}")
     if seq_length < 2:
@@ -161,6 +164,7 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
             counts.without_answer += 1
             continue
         kept.append((ids, flags))
+    reference = tokenizer_reference(tokenizer_source, tokenizer) if tokenizer_source is not None else None
     if not kept:
         raise ChatDataError(f"{input_path}: no conversation with an assistant answer fits (conversations "
                             f"{counts.conversations}, dropped {counts.dropped}). Fix: a longer --seq-length, or "
@@ -188,6 +192,6 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
     header = {"format": FORMAT, "seq_length": seq_length, "samples": counts.samples,
               "conversations": counts.conversations, "truncated": counts.truncated, "dropped": counts.dropped,
               "without_answer": counts.without_answer, "assistant_tokens": counts.assistant_tokens,
-              "eod": int(tokenizer.eod), "chat_template": chat.source, "tokenizer": tokenizer_json}
+              "eod": int(tokenizer.eod), "chat_template": chat.source, "tokenizer": reference}
     Path(f"{prefix}_sft.json").write_text(json.dumps(header, indent=1))
     return counts

@@ -2,9 +2,11 @@
 
 A Hugging Face tokenizer directory keeps its template in `tokenizer_config.json`
 (`chat_template`: a string, or a list of named templates whose "default" is used) or beside it
-in `chat_template.jinja`; `dtmega serve --chat-template` and `dtmega preprocess --chat` also take
-a .jinja file. Rendering uses
-the environment transformers' `apply_chat_template` uses (a sandboxed, immutable Jinja
+in `chat_template.jinja`, and its special tokens in `tokenizer_config.json` (or
+`special_tokens_map.json`); `dtmega serve --chat-template` and `dtmega preprocess --chat` also take
+a .jinja file. A checkpoint fine-tuned from a Hugging Face model keeps those files (its
+`hf_files`), and `ChatTemplate.from_files` reads them there (dtmega/serve/chat_source.py). Rendering uses the
+environment transformers' `apply_chat_template` uses (a sandboxed, immutable Jinja
 environment with trim_blocks and lstrip_blocks, loop controls, its `tojson` filter and the
 `raise_exception` and `strftime_now` globals), the messages, `add_generation_prompt` and the
 tokenizer's special tokens, so the prompt text is the one transformers would build
@@ -22,10 +24,24 @@ from typing import Any
 from dtmega.kernels.errors import DtmegaError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")  # what a template reads
 
 
 class ChatTemplateError(DtmegaError):
     """A template that cannot be read or rendered; the message names the fix."""
+
+
+def _json_object(text: str | None, what: str) -> dict:
+    """A JSON object file's content ({} for a file that is absent); ChatTemplateError otherwise."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ChatTemplateError(f"{what} is not JSON ({error}). Fix: the file as the tokenizer saved it") from None
+    if not isinstance(value, dict):
+        raise ChatTemplateError(f"{what} is not a JSON object. Fix: the file as the tokenizer saved it")
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -44,32 +60,48 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, path: str | Path) -> "ChatTemplate":
-        """From a tokenizer directory, a tokenizer_config.json or a .jinja file."""
+        """From a tokenizer directory, a tokenizer_config.json or a .jinja file (`--chat-template`,
+        `preprocess --chat`); ChatTemplateError naming the fix when there is none or it does not parse."""
         path = Path(path)
-        config: dict = {}
         if path.is_dir():
-            config_file = path / "tokenizer_config.json"
-            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-            jinja = path / "chat_template.jinja"
-            template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+            files = {name: (path / name).read_text() for name in TEMPLATE_FILES if (path / name).is_file()}
         elif path.suffix == ".json" and path.is_file():
-            config = json.loads(path.read_text())
-            template = config.get("chat_template")
-        elif path.is_file():
-            template = path.read_text()
-            beside = path.parent / "tokenizer_config.json"  # its special tokens, where the tokenizer keeps them
-            config = json.loads(beside.read_text()) if beside.is_file() else {}
+            files = {"tokenizer_config.json": path.read_text()}
+        elif path.is_file():  # a .jinja file, with the special tokens of the tokenizer files beside it
+            files = {name: (path.parent / name).read_text() for name in TEMPLATE_FILES[1:]
+                     if (path.parent / name).is_file()}
+            files["chat_template.jinja"] = path.read_text()
         else:
             raise ChatTemplateError(f"--chat-template {path}: no such file or directory. Fix: a Hugging Face tokenizer "
                                     "directory, its tokenizer_config.json, or a .jinja file")
+        chat = cls.from_files(files, str(path))
+        if chat is None:
+            raise ChatTemplateError(f"{path} holds no chat template (tokenizer_config.json's chat_template or "
+                                    "chat_template.jinja). Fix: a tokenizer made for chat, or --chat-template FILE.jinja")
+        return chat
+
+    @classmethod
+    def from_files(cls, files: dict[str, str], source: str) -> "ChatTemplate | None":
+        """From a tokenizer's files as text ({name: text}: a directory's, or the `hf_files` a
+        checkpoint keeps): `chat_template.jinja`, else tokenizer_config.json's `chat_template`
+        (a string, or named templates whose "default" is used); None when neither holds one. The
+        special tokens come from tokenizer_config.json, those it lacks from special_tokens_map.json
+        (transformers' order for a tokenizer_config.json that lists its added tokens)."""
+        config = _json_object(files.get("tokenizer_config.json"), f"{source}: tokenizer_config.json")
+        tokens_map = _json_object(files.get("special_tokens_map.json"), f"{source}: special_tokens_map.json")
+        template = files["chat_template.jinja"] if "chat_template.jinja" in files else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                             None)
         if not isinstance(template, str) or not template.strip():
-            raise ChatTemplateError(f"{path} holds no chat template (tokenizer_config.json's chat_template or "
-                                    "chat_template.jinja). Fix: a tokenizer made for chat, or --chat-template FILE.jinja")
-        tokens = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
-        chat = cls(template, str(path), tokens)
+            return None
+        tokens = {}
+        for name in SPECIAL_TOKENS:
+            text = _token_text(config.get(name))
+            text = text if text is not None else _token_text(tokens_map.get(name))
+            if text is not None:
+                tokens[name] = text
+        chat = cls(template, source, tokens)
         chat._compiled()  # a template that does not parse fails here, at start-up
         return chat
 

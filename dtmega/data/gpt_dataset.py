@@ -81,22 +81,30 @@ class GPTDatasetSpec:
         return Path(self.cache_dir) / f"{Path(self.prefix).name}.dtmega-index" / f"{self.split_name}-{key}"
 
 
+def split_sequences(data: IndexedDataset, spec: GPTDatasetSpec) -> tuple[np.ndarray, int]:
+    """(the split's non-empty sequence indices, its tokens per epoch), refusing a split shorter
+    than one sample with DatasetTooSmallError. Reads the index only: the dry run calls it to give
+    the launch's verdict without building anything."""
+    lo, hi = spec.documents
+    first, last = int(data.document_indices[lo]), int(data.document_indices[hi])
+    sequences = np.arange(first, last, dtype=np.int64)
+    sequences = sequences[data.sequence_lengths[first:last] > 0]
+    tokens_per_epoch = int(data.sequence_lengths[sequences].sum(dtype=np.int64))
+    if tokens_per_epoch < spec.seq_length + 1:
+        raise DatasetTooSmallError(
+            f"the {spec.split_name} split of {spec.prefix} has {tokens_per_epoch} tokens "
+            f"({hi - lo} documents), fewer than one sample of --seq-length {spec.seq_length} + 1. "
+            "Fix: use more data, a shorter --seq-length, or a --split that gives this split more"
+        )
+    return sequences, tokens_per_epoch
+
+
 class GPTDataset:
     """`num_samples` windows of `seq_length + 1` tokens from one split of an indexed dataset."""
 
     def __init__(self, data: IndexedDataset, spec: GPTDatasetSpec):
         self.data, self.spec = data, spec
-        lo, hi = spec.documents
-        first, last = int(data.document_indices[lo]), int(data.document_indices[hi])
-        sequences = np.arange(first, last, dtype=np.int64)
-        sequences = sequences[data.sequence_lengths[first:last] > 0]
-        tokens_per_epoch = int(data.sequence_lengths[sequences].sum(dtype=np.int64))
-        if tokens_per_epoch < spec.seq_length + 1:
-            raise DatasetTooSmallError(
-                f"the {spec.split_name} split of {spec.prefix} has {tokens_per_epoch} tokens "
-                f"({hi - lo} documents), fewer than one sample of --seq-length {spec.seq_length} + 1. "
-                "Fix: use more data, a shorter --seq-length, or a --split that gives this split more"
-            )
+        sequences, tokens_per_epoch = split_sequences(data, spec)
         self.index = cached_index(spec.cache_path(), lambda: self._build(sequences, tokens_per_epoch))
         self.lengths = data.sequence_lengths
         self.samples_per_epoch = (tokens_per_epoch - 1) // spec.seq_length  # distinct samples before a repeat

@@ -150,10 +150,43 @@ def _identity(index_file: Path, data_file: Path) -> str:
     return digest.hexdigest()
 
 
-class IndexedDataset:
-    """Memory-mapped reader of a `.bin/.idx` pair; validates both files before use."""
+class _FileReads:
+    """`.bin` tokens read with positioned file reads instead of a memory map (Megatron's
+    --no-mmap-bin-files, for file systems where mapping large files is slow or not allowed):
+    slicing returns a fresh array of the tokens asked for."""
 
-    def __init__(self, prefix: str | Path):
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int):
+        self.path, self.dtype, self.tokens = path, dtype, tokens
+        self._fd: int | None = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._pid != os.getpid():  # a forked process opens its own
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(self.tokens)
+        count = max(0, stop - start)
+        raw = os.pread(self._descriptor(), count * self.dtype.itemsize, start * self.dtype.itemsize)
+        if len(raw) != count * self.dtype.itemsize:
+            raise DatasetFormatError(f"{self.path} ended while reading tokens {start}..{stop}: the file changed "
+                                     "after it was checked. Fix: re-run `dtmega preprocess`")
+        return np.frombuffer(raw, dtype=self.dtype)
+
+    def __del__(self):
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+class IndexedDataset:
+    """Reader of a `.bin/.idx` pair (the `.bin` memory-mapped, or read with file reads when
+    `mmap` is False); validates both files before use."""
+
+    def __init__(self, prefix: str | Path, mmap: bool = True):
         self.prefix = Path(prefix)
         index_file, data_file = idx_path(prefix), bin_path(prefix)
         for path in (index_file, data_file):
@@ -216,7 +249,12 @@ class IndexedDataset:
                 f"end at the data's {data_bytes} bytes: the index is damaged. Fix: re-run `dtmega preprocess`"
             )
         self.identity = _identity(index_file, data_file)
-        self._data = np.memmap(data_file, dtype=self.dtype, mode="r", order="C") if data_bytes else np.zeros(0, self.dtype)
+        if not data_bytes:
+            self._data = np.zeros(0, self.dtype)
+        elif mmap:
+            self._data = np.memmap(data_file, dtype=self.dtype, mode="r", order="C")
+        else:
+            self._data = _FileReads(data_file, self.dtype, data_bytes // self.dtype.itemsize)
 
     def __len__(self) -> int:
         """Number of sequences."""

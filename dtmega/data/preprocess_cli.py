@@ -19,8 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     p.add_argument("--tokenizer-model", help="tokenizer.json or a Hugging Face directory (HuggingFaceTokenizer), a "
-                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer)")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer: the token ids are 0..N-1, N is end-of-document")
+                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer), "
+                                             "a tiktoken vocabulary .json (TikTokenizer)")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer: the token ids are 0..N-1, N is end-of-document; "
+                                                  "TikTokenizer: its vocabulary size (default 131072)")
+    p.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer: the split regex (default v2)")
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: special-token ids before the vocabulary's ranks (default 1000)")
+    p.add_argument("--tiktoken-special-tokens", nargs="+", help="TikTokenizer: the special tokens (default <unk> <s> "
+                                                                "</s> <mask> <pad> <cls> <sep>)")
     p.add_argument("--vocab-file", help="vocab.json (GPT2BPETokenizer)")
     p.add_argument("--merge-file", help="merges.txt (GPT2BPETokenizer)")
     p.add_argument("--eod-token", help="end-of-document token (default: found in the vocabulary)")
@@ -59,7 +66,7 @@ def preprocess_chat_main(args: argparse.Namespace, console: Console) -> None:
     chat = ChatTemplate.load(args.chat_template or (model_dir if model_dir.is_dir() else model_dir.parent))
     tokenizer = build_tokenizer(TokenizerSpec(args.tokenizer_type, args.tokenizer_model, eod_token=args.eod_token))
     counts = preprocess_chat(args.input, args.output_prefix, tokenizer, chat, args.seq_length, args.chat_overlong,
-                             tokenizer.to_json())
+                             args.tokenizer_model)
     console.print(f"{counts.conversations} conversations -> {counts.samples} samples of {args.seq_length + 1} tokens "
                   f"({counts.assistant_tokens} assistant tokens in the loss); {counts.truncated} truncated, "
                   f"{counts.dropped} dropped, {counts.without_answer} without an answer: "
@@ -77,8 +84,12 @@ def main(argv: list[str]) -> None:
         raise DtmegaError("--train-tokenizer makes a HuggingFaceTokenizer; drop --tokenizer-type or set it to that")
     if not args.train_tokenizer and args.tokenizer_type is None:
         raise DtmegaError("--tokenizer-type is required (or --train-tokenizer VOCAB_SIZE)")
+    tiktoken = args.tokenizer_type == "TikTokenizer"
     spec = TokenizerSpec(args.tokenizer_type or "byte", args.tokenizer_model, args.vocab_file, args.merge_file,
-                         args.eod_token, args.vocab_size)
+                         args.eod_token, args.vocab_size,
+                         tiktoken_pattern=args.tiktoken_pattern if tiktoken else None,
+                         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens if tiktoken else None,
+                         tiktoken_special_tokens=tuple(args.tiktoken_special_tokens or ()) or None if tiktoken else None)
     console = Console(stderr=True)
     result = preprocess(
         PreprocessConfig(

@@ -18,6 +18,8 @@ from tensordict import TensorDict
 
 from dtmega.batch import make_batch
 from dtmega.data.chat_data import FORMAT
+from dtmega.data.tokenizer_reference import tokenizer_from_reference
+from dtmega.data.tokenizers import Tokenizer
 from dtmega.kernels.document_attention import positions_from_documents
 from dtmega.kernels.errors import DtmegaError
 
@@ -32,6 +34,19 @@ def read_header(prefix: str) -> dict:
     if header.get("format") != FORMAT:
         raise DtmegaError(f"{path} is not a {FORMAT} file. Fix: make it with dtmega preprocess --chat")
     return header
+
+
+def sft_tokenizer(prefix: str) -> Tokenizer | None:
+    """The tokenizer `<prefix>_sft.json` was made with: the file it names, checked against the
+    recorded sha256 (DtmegaError naming the file when it changed or is gone); a header written
+    before references embeds the tokenizer itself, which reads too; None if it names none."""
+    return tokenizer_from_reference(read_header(prefix).get("tokenizer"), f"{prefix}_sft.json")
+
+
+def is_sft_data(prefix: str) -> bool:
+    """Whether `prefix` names packed chat samples only (its `_sft.json` and no `.idx` of
+    pretraining documents): what `dtmega evaluate` reads as SFT data without --sft."""
+    return Path(f"{prefix}_sft.json").is_file() and not Path(f"{prefix}.idx").is_file()
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizerModel
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from dtmega.data.byte_level import byte_symbols
 from dtmega.kernels.errors import DtmegaError, MissingInput
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer",
-                   "NullTokenizer", "byte")
+                   "TikTokenizer", "NullTokenizer", "byte")
 # Megatron's SentencePiece types: a `tokenizer.model` given as --tokenizer-model
 SENTENCEPIECE_TYPES = ("Llama2Tokenizer", "GPTSentencePieceTokenizer")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -62,27 +63,13 @@ class ByteTokenizer:
     def as_huggingface(self) -> HFTokenizerModel:
         """The same tokenizer as a `tokenizers` model (what a Hugging Face export carries): a
         byte-level BPE without merges whose ids are the bytes, <|endoftext|> = 256, <|pad|> = 257."""
-        vocab = {char: byte for byte, char in _byte_symbols().items()}
+        vocab = {char: byte for byte, char in byte_symbols().items()}
         vocab.update({BPE_EOD: self.eod, "<|pad|>": self.pad})
         model = HFTokenizerModel(models.BPE(vocab, merges=[]))
         model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         model.decoder = decoders.ByteLevel()
         model.add_special_tokens([BPE_EOD, "<|pad|>"])
         return model
-
-
-def _byte_symbols() -> dict[int, str]:
-    """Byte -> the printable character byte-level BPE writes for it (GPT-2's table: printable
-    Latin-1 bytes stand for themselves, the others are shifted past 255)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + shifted)
-            shifted += 1
-    return table
 
 
 class HuggingFaceTokenizer:
@@ -214,7 +201,11 @@ class TokenizerSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     eod_token: str | None = None
-    vocab_size: int | None = None  # NullTokenizer's --vocab-size
+    vocab_size: int | None = None  # NullTokenizer's and TikTokenizer's --vocab-size
+    # TikTokenizer's --tiktoken-pattern, --tiktoken-num-special-tokens, --tiktoken-special-tokens
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int | None = None
+    tiktoken_special_tokens: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -249,6 +240,13 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
             raise DtmegaError("--tokenizer-type NullTokenizer needs --vocab-size (the token ids are 0..N-1; N is "
                               "end-of-document)")
         return NullTokenizer(spec.vocab_size)
+    if spec.tokenizer_type == "TikTokenizer":
+        from dtmega.data.tiktoken_tokenizer import TikTokenizer, TikTokenSettings
+
+        path = _require_file(spec.tokenizer_model, "--tokenizer-model (the tiktoken vocabulary .json)", spec.tokenizer_type)
+        settings = TikTokenSettings(spec.tiktoken_pattern or "v2", spec.tiktoken_num_special_tokens or 1000,
+                                    spec.tiktoken_special_tokens, spec.vocab_size)
+        return TikTokenizer.from_file(path, settings)
     if spec.tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(spec.vocab_file, "--vocab-file (vocab.json)", spec.tokenizer_type)
         merges = _require_file(spec.merge_file, "--merge-file (merges.txt)", spec.tokenizer_type)
@@ -265,6 +263,10 @@ def tokenizer_from_json(text: str, eod_token: str | None = None) -> Tokenizer:
         return ByteTokenizer()
     if text.lstrip().startswith('{"dtmega_tokenizer": "null"'):
         return NullTokenizer(int(json.loads(text)["vocab_size"]))
+    if text.lstrip().startswith('{"dtmega_tokenizer": "tiktoken"'):
+        from dtmega.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer.from_json(text)
     if text.lstrip().startswith('{"dtmega_tokenizer": "sentencepiece"'):
         saved = json.loads(text)
         return SentencePieceTokenizer(base64.b64decode(saved["model"]), eod_token or saved["eod_token"])

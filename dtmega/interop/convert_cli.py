@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = parser.add_subparsers(dest="kind", required=True)
     hf_in = kinds.add_parser("hf-to-dtmega", help="a Hugging Face model directory -> a dtmega checkpoint")
-    hf_in.add_argument("--hf-dir", required=True, help="config.json, *.safetensors (+ index), tokenizer files")
+    hf_in.add_argument("--hf-dir", required=True, help="config.json, *.safetensors (+ index), tokenizer files (without "
+                                                       "them the weights convert, and generate/serve/evaluate take "
+                                                       "--tokenizer-model)")
     hf_in.add_argument("--save", required=True, help="dtmega checkpoint directory to write (iter_0000000)")
     hf_in.add_argument("--tokenizer-model", help="another tokenizer (tokenizer.json, tokenizer.model or a directory)")
     add_overwrite_argument(hf_in)

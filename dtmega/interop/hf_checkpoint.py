@@ -37,6 +37,8 @@ from dtmega.checkpoint_reader import DataOnlyLoadPlanner, is_file_name
 from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
 from dtmega.interop.hf_architectures import HFArchitecture, architecture_of
 from dtmega.interop.hf_reader import HFSafetensorsReader
+from dtmega.interop.local_model import require_local_dir
+from dtmega.kernels.errors import MissingInput
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.models.llama.hf_names import WeightSource
 
@@ -85,7 +87,7 @@ class HFCheckpoint:
     hf_config: dict
     architecture: HFArchitecture
     config: Any  # the dtmega model's (LlamaConfig, DeepSeekConfig)
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: the directory has none and the caller converts weights only
     files: dict[str, Path]  # HF tensor name -> its safetensors file
     shapes: dict[str, tuple[int, ...]]  # HF tensor name -> shape
     dtypes: dict[str, torch.dtype]
@@ -100,14 +102,13 @@ class HFCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path, tokenizer_model: str | None = None,
-             tokenizer: Tokenizer | None = None) -> HFCheckpoint:
+             tokenizer: Tokenizer | None = None, *, weights_only: bool = False, flag: str = "--load-hf") -> HFCheckpoint:
         """Opens and checks `path` (see the module docstring); `tokenizer_model` (a path) or
         `tokenizer` (built already, e.g. from a run's --tokenizer-type) overrides the directory's
-        own tokenizer files."""
-        path = Path(path)
-        if not path.is_dir():
-            raise HFFormatError(f"--load-hf {path}: no such directory. Fix: a Hugging Face model directory "
-                                "(config.json, *.safetensors, tokenizer.json)")
+        own tokenizer files. `weights_only` (converting weights, which needs no tokenizer): a
+        directory without tokenizer files opens with `tokenizer` None and a note saying that
+        generate, serve and evaluate will need --tokenizer-model. `flag` names the path in errors."""
+        path = require_local_dir(path, flag)
         config_file = path / "config.json"
         if not config_file.exists():
             raise HFFormatError(f"{path} has no config.json; it is not a Hugging Face model directory")
@@ -121,7 +122,14 @@ class HFCheckpoint:
         files = _index(path)
         shapes, dtypes = _headers(files, block is not None)
         config, notes = _mtp_layers_present(config, set(files), path)
-        checkpoint = cls(path, hf_config, architecture, config, _tokenizer(path, tokenizer_model, tokenizer, config),
+        if weights_only and tokenizer_model is None and tokenizer is None and not has_tokenizer_files(path):
+            tokenizer_found = None
+            notes.append(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model): the weights are converted; "
+                         "dtmega generate, serve and evaluate on the checkpoint will need --tokenizer-model (the "
+                         "model's tokenizer.json, tokenizer.model or tokenizer directory)")
+        else:
+            tokenizer_found = _tokenizer(path, tokenizer_model, tokenizer, config)
+        checkpoint = cls(path, hf_config, architecture, config, tokenizer_found,
                          files, shapes, dtypes,
                          {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()},
                          block, notes)
@@ -294,8 +302,18 @@ def _headers(files: dict[str, Path], quantized: bool) -> tuple[dict[str, tuple[i
     return shapes, dtypes
 
 
+def has_tokenizer_files(path: Path) -> bool:
+    """Whether the model directory `path` holds a tokenizer dtmega reads (tokenizer.json or a
+    SentencePiece tokenizer.model), as `tokenizer_from_path` looks for them."""
+    return any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
+
+
 def _tokenizer(path: Path, tokenizer_model: str | None, tokenizer: Tokenizer | None, config: Any) -> Tokenizer:
     source = "--tokenizer-type/--tokenizer-model" if tokenizer is not None else tokenizer_model or str(path)
+    if tokenizer is None and tokenizer_model is None and not has_tokenizer_files(path):
+        raise MissingInput(f"{path} holds neither tokenizer.json nor tokenizer.model. Fix: --tokenizer-model with the "
+                           "model's tokenizer (tokenizer.json, tokenizer.model or its directory); converting the weights "
+                           "alone (dtmega convert hf-to-dtmega) needs none")
     if tokenizer is None:
         tokenizer = tokenizer_from_path(source)  # a directory's end-of-document token is its eos_token
     if tokenizer.vocab_size > config.vocab_size:

@@ -2,7 +2,8 @@
 
 The output holds `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` each,
 `model.safetensors.index.json`, `config.json`, `generation_config.json` and the tokenizer
-(`tokenizer.json` or a SentencePiece `tokenizer.model`, with `tokenizer_config.json`), and
+(`tokenizer.json` or a SentencePiece `tokenizer.model`, with `tokenizer_config.json`; none for a
+checkpoint converted from a directory without tokenizer files), and
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged. Only one shard's
 tensors are in memory at a time: each is read from the DCP checkpoint by name
 (`dcp.load` of those keys, resharded from however it was saved), laid out as HF wants
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from dtmega.checkpoint_reader import load_dcp, read_dcp_metadata
+from dtmega.data.tiktoken_tokenizer import TikTokenizer
 from dtmega.data.tokenizers import (
     BPE_EOD,
     ByteTokenizer,
@@ -84,7 +86,9 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
     # the weights written are dequantized: the source's quantization (and its config.json text) no longer apply
     quantized = base is not None and base.pop("quantization_config", None) is not None
     hf_config = architecture.hf_config(config, base, dtype)  # refuses a model the architecture cannot express, first
-    tokenizer = tokenizer_from_json((checkpoint / TOKENIZER).read_text(), state.get("tokenizer", {}).get("eod_token"))
+    tokenizer = None  # none: converted from a Hugging Face directory without tokenizer files, exported without them
+    if (checkpoint / TOKENIZER).exists():
+        tokenizer = tokenizer_from_json((checkpoint / TOKENIZER).read_text(), state.get("tokenizer", {}).get("eod_token"))
     sizes = _model_sizes(checkpoint)
     if config.tie_embeddings:
         sizes.pop("output.weight", None)
@@ -112,13 +116,14 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
             on_shard(number, len(groups))
     (partial / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-    _write_tokenizer(partial, tokenizer, kept, config)
-    hf_config.setdefault("eos_token_id", tokenizer.eod)
+    if tokenizer is not None:
+        _write_tokenizer(partial, tokenizer, kept, config)
+        hf_config.setdefault("eos_token_id", tokenizer.eod)
     (partial / "config.json").write_text(kept["config.json"] if base == hf_config and not quantized and "config.json" in kept
                                          else json.dumps(hf_config, indent=2) + "\n")
+    eos = {"eos_token_id": tokenizer.eod} if tokenizer is not None else {}
     generation = kept.get("generation_config.json") or json.dumps(
-        {"eos_token_id": tokenizer.eod, "transformers_version": hf_config.get("transformers_version", "5.0.0")},
-        indent=2) + "\n"
+        {**eos, "transformers_version": hf_config.get("transformers_version", "5.0.0")}, indent=2) + "\n"
     (partial / "generation_config.json").write_text(generation)
     if out.exists():
         out.rmdir()  # empty (checked above)
@@ -132,6 +137,10 @@ def _write_tokenizer(directory: Path, tokenizer, kept: dict[str, str], config) -
     if isinstance(tokenizer, ByteTokenizer):  # as a byte-level BPE without merges: the same ids
         (directory / "tokenizer.json").write_text(tokenizer.as_huggingface().to_str())
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BPE_EOD, "pad_token": "<|pad|>"}
+    elif isinstance(tokenizer, TikTokenizer):  # the same ids as a byte-level BPE with the merges its ranks imply
+        (directory / "tokenizer.json").write_text(tokenizer.as_huggingface().to_str())
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eod_token,
+                    "bos_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     elif isinstance(tokenizer, SentencePieceTokenizer):
         (directory / "tokenizer.model").write_bytes(tokenizer.proto)
         settings = {"tokenizer_class": "LlamaTokenizer", "eos_token": tokenizer.eod_token}

@@ -27,8 +27,10 @@ def hf_state(checkpoint: HFCheckpoint) -> dict:
     return {
         "iteration": 0, "consumed_samples": 0, "model": checkpoint.model, "model_config": config_dict,
         "args": {"seq_length": min(checkpoint.config.max_seq_len, DEFAULT_SEQ_LENGTH)},
-        "tokenizer": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(checkpoint.path),
-                      "eod_token": getattr(tokenizer, "eod_token", None)},
+        # none: converted from a directory without tokenizer files (commands then take --tokenizer-model)
+        "tokenizer": {} if tokenizer is None else {
+            "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(checkpoint.path),
+            "eod_token": getattr(tokenizer, "eod_token", None)},
         "hf_files": checkpoint.kept, "source": {"hf_dir": str(checkpoint.path.resolve())},
     }
 
@@ -53,7 +55,9 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
               on_phase: Callable[[str], None] | None = None, allow_older: bool = False) -> Path:
     """Writes the HF model `hf_dir` as a dtmega checkpoint `save/iter_0000000` (weights,
     tokenizer, config; no optimizer state) and returns its path. One process holds the whole
-    model; under torchrun the ranks shard it (FSDP over the world) and each writes its part."""
+    model; under torchrun the ranks shard it (FSDP over the world) and each writes its part.
+    A directory without tokenizer files converts too (weights need none): the checkpoint then has
+    no tokenizer.json, and a note says that generate, serve and evaluate will need --tokenizer-model."""
     import dtmega
     from dtmega.mesh import default_device_type
     from dtmega.passes import DataParallel, Plan
@@ -62,7 +66,7 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
 
     on_phase = on_phase or (lambda name: None)
     on_phase("checking the Hugging Face files")
-    checkpoint = HFCheckpoint.open(hf_dir, tokenizer_model)
+    checkpoint = HFCheckpoint.open(hf_dir, tokenizer_model, weights_only=True, flag="--hf-dir")
     if checkpoint.notes and (not dist.is_initialized() or dist.get_rank() == 0):
         from dtmega.printing import console
 
@@ -81,5 +85,5 @@ def import_hf(hf_dir: str | Path, save: str | Path, *, tokenizer_model: str | No
     checkpoint.load_into(pm.module)
     on_phase("writing the checkpoint")
     state = {**hf_state(checkpoint), "world_size": world, "run_id": new_run_id()}
-    return save_checkpoint(save, 0, pm.module, None, state, tokenizer_json=checkpoint.tokenizer.to_json(),
-                           allow_older=allow_older)
+    tokenizer_json = None if checkpoint.tokenizer is None else checkpoint.tokenizer.to_json()
+    return save_checkpoint(save, 0, pm.module, None, state, tokenizer_json=tokenizer_json, allow_older=allow_older)

@@ -50,6 +50,25 @@ class ServedModel:
     context: int
     vocab_size: int
     chat_template: ChatTemplate | None = None  # /v1/chat/completions renders messages with it
+    aliases: tuple[str, ...] = ()  # other names a request's `model` may give (vLLM's served names, the path)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a request may ask for; responses carry the one asked for, else `name`."""
+        return (self.name, *self.aliases)
+
+
+def unknown_model(body: object, model: ServedModel) -> JSONResponse | None:
+    """OpenAI's and vLLM's answer to a `model` this server does not serve: 404 with code
+    `model_not_found` (it used to answer any name, `gpt-4o` included, with this model)."""
+    asked = body.get("model") if isinstance(body, dict) else None
+    if asked in (None, "") or asked in model.names:
+        return None
+    served = ", ".join(repr(name) for name in model.names)
+    return JSONResponse({"error": {"message": f"The model {asked!r} does not exist: this server serves {served}. Fix: "
+                                              f"\"model\": {model.name!r} (GET /v1/models lists it)",
+                                   "type": "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                        status_code=404)
 
 
 class _Gone(Exception):
@@ -254,6 +273,8 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         echo, seed, n, stream)."""
         try:
             body = await _read_json(request, limits.max_request_bytes)
+            if (missing := unknown_model(body, model)) is not None:
+                return missing
             parsed = openai_api.parse_completion_request(body, tokenizer=model.tokenizer, context=model.context,
                                                          vocab_size=model.vocab_size, model_name=model.name)
         except RequestError as error:
@@ -281,6 +302,8 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         max_completion_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs, stream)."""
         try:
             body = await _read_json(request, limits.max_request_bytes)
+            if (missing := unknown_model(body, model)) is not None:
+                return missing
             parsed = chat_api.parse_chat_request(body, chat=model.chat_template, tokenizer=model.tokenizer,
                                                  context=model.context, vocab_size=model.vocab_size,
                                                  model_name=model.name)
@@ -308,6 +331,6 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
     @app.get("/v1/models")
     async def models():
         """The one model this server serves (OpenAI's model list)."""
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "dtmega"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "dtmega"} for name in model.names]}
 
     return app

@@ -1,14 +1,15 @@
 """OpenAI's chat completions API (`POST /v1/chat/completions`) over dtmega's engine.
 
 `messages` (each a `role` of system, developer, user, assistant or tool and a string `content`,
-or a list of text parts) are rendered with the served tokenizer's chat template
-(chat_template.py) and the assistant's turn is generated until the template's end-of-turn token
-(its `eos_token`), the end-of-document token, a `stop` string or the token budget. Fields: `n`,
-`max_tokens` or `max_completion_tokens` (default: the rest of the context), `temperature` (1.0),
-`top_p` (1.0), `seed`, `stop` (a string or up to 4), `logprobs` (true: each token's
-log-probability) with `top_logprobs` (0-20), `stream` (server-sent `chat.completion.chunk`s;
-`stream_options.include_usage`). Tools, function calls, non-text response formats, penalties
-and `logit_bias` are refused by name, as are logprobs in a stream.
+or a list of text parts) are rendered with the served model's chat template (chat_template.py;
+--chat-template, else the checkpoint's own: chat_source.py) and the assistant's turn is generated
+until the template's end-of-turn token (its `eos_token`), the end-of-document token, a `stop`
+string or the token budget. Fields: `n`, `max_tokens` or `max_completion_tokens` (default: the
+rest of the context), `temperature` (1.0), `top_p` (1.0), `seed`, `stop` (a string or up to 4),
+`logprobs` (true: each token's log-probability) with `top_logprobs` (0-20), `stream`
+(server-sent `chat.completion.chunk`s; `stream_options.include_usage`). Tools, function calls,
+non-text response formats, penalties and `logit_bias` are refused by name, as are logprobs in a
+stream.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def _content(message: dict, index: int) -> str:
                           "([{\"type\": \"text\", \"text\": ...}])", "messages")
 
 
-def _messages(value: Any) -> list[dict]:
+def check_messages(value: Any) -> list[dict]:
+    """`messages` as the template reads them ({role, content} with text content); CompletionError
+    naming the message otherwise (the server's 400, `dtmega generate --chat`'s input check)."""
     if not isinstance(value, list) or not value:
         raise CompletionError("messages must be a non-empty list of {\"role\": ..., \"content\": ...}", "messages")
     out = []
@@ -65,15 +68,16 @@ def parse_chat_request(body: Any, *, chat: ChatTemplate | None, tokenizer, conte
         raise CompletionError("the request body must be a JSON object, e.g. {\"messages\": [{\"role\": \"user\", "
                               "\"content\": \"Hello\"}]}")
     if chat is None:
-        raise CompletionError("this server has no chat template. Fix: start it with --chat-template (a Hugging Face "
-                              "tokenizer directory or a .jinja file), or use /v1/completions")
+        raise CompletionError("this server has no chat template (its checkpoint keeps none). Fix: start it with "
+                              "--chat-template (a Hugging Face tokenizer directory or a .jinja file), or use "
+                              "/v1/completions")
     for name, default in UNSUPPORTED.items():
         if name in body and body[name] not in (default, None, []):
             raise CompletionError(f"{name} is not supported by dtmega serve. Fix: leave {name} out", name)
     form = body.get("response_format")
     if form is not None and form != {"type": "text"}:
         raise CompletionError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
-    messages = _messages(body.get("messages"))
+    messages = check_messages(body.get("messages"))
     try:
         prompt = tokenizer.encode(chat.render(messages))
     except ChatTemplateError as error:

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import uvicorn
 
-from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
 from dtmega.models.kv_cache import DECODING_FAMILIES
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
+from dtmega.serve.chat_source import choose_chat_template
 from dtmega.serve.engine import Engine
 from dtmega.serve.kv_budget import (
     KVCacheSize,
@@ -66,13 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may take before it is cancelled (HTTP 504)")
-    p.add_argument("--model-name", help="the model's name in responses (default: the checkpoint's directory name)")
+    p.add_argument("--model-name", nargs="+", default=None,
+                   help="the names a request's `model` may give (vLLM's --served-model-name): the first is the name in "
+                        "responses; another name is answered 404 model_not_found (default: the checkpoint's directory "
+                        "name, and the --load or --load-hf path as given)")
     p.add_argument("--chat-template", default=None,
                    help="the chat template of /v1/chat/completions: a Hugging Face tokenizer directory (its "
-                        "tokenizer_config.json or chat_template.jinja) or a .jinja file (default: --load-hf's, if it has "
-                        "one)")
+                        "tokenizer_config.json or chat_template.jinja) or a .jinja file (default: the checkpoint's own: "
+                        "the tokenizer files a fine-tune of a Hugging Face model keeps, or --load-hf's)")
     p.add_argument("--custom-import", nargs="+", default=[], help="modules that register the checkpoint's model")
     return p
+
+
+def served_names(given: list[str] | None, directory: str, path: str | None) -> tuple[str, ...]:
+    """The names the server answers to: `--model-name`'s (the first in responses), else the
+    checkpoint's directory name and the path the model was loaded from, as given (vLLM's default
+    name), each once."""
+    names = list(given) if given else [directory, *([str(path).rstrip("/")] if path else [])]
+    return tuple(dict.fromkeys(name for name in names if name))
 
 
 def check_arguments(a: argparse.Namespace) -> None:
@@ -87,19 +98,6 @@ def check_arguments(a: argparse.Namespace) -> None:
         raise DtmegaError(f"--request-timeout {a.request_timeout} must be a positive number of seconds")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise DtmegaError(f"--max-model-len {a.max_model_len} must be at least 2 (a prompt token and a generated one)")
-
-
-def chat_template_of(a: argparse.Namespace) -> ChatTemplate | None:
-    """--chat-template, else --load-hf's own template where it has one (read and parsed now, before
-    any weight: a template that does not parse fails at start-up)."""
-    if a.chat_template is not None:
-        return ChatTemplate.load(a.chat_template)
-    if getattr(a, "load_hf", None):
-        try:
-            return ChatTemplate.load(a.load_hf)
-        except ChatTemplateError:
-            return None  # a base model: /v1/chat/completions then says how to give one
-    return None
 
 
 def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
@@ -137,8 +135,8 @@ def main(argv: list[str]) -> None:
     """Loads the checkpoint, listens, and serves until SIGTERM/Ctrl-C."""
     a = build_parser().parse_args(argv)
     check_arguments(a)
-    chat = chat_template_of(a)
     head = read_source_head(a, contents=False)
+    chat = choose_chat_template(a.chat_template, head)  # read and parsed before any rank joins or weight is read
     if head.spec.family not in DECODING_FAMILIES:
         raise DtmegaError(f"dtmega serve decodes {' and '.join(DECODING_FAMILIES)} models (their KV cache); this "
                          f"checkpoint holds a {head.spec.family} model. Fix: evaluate it with dtmega evaluate")
@@ -155,7 +153,7 @@ def main(argv: list[str]) -> None:
     if problem:
         raise DtmegaError(problem)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
-                                             load_hf=a.load_hf)
+                                             load_hf=a.load_hf, tokenizer_model=a.tokenizer_model)
     pm.eval()
     context = size.max_len
     engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=size.slots, max_len=context,
@@ -167,8 +165,8 @@ def main(argv: list[str]) -> None:
         engine.run()
         return
     run_dir = head.checkpoint.parent if head.checkpoint.name.startswith("iter_") else head.checkpoint
-    name = a.model_name or run_dir.name
-    app = build_app(engine, ServedModel(name, tokenizer, context, tokenizer.vocab_size, chat),
+    names = served_names(a.model_name, run_dir.name, a.load or a.load_hf)
+    app = build_app(engine, ServedModel(names[0], tokenizer, context, tokenizer.vocab_size, chat.template, names[1:]),
                     ServeLimits(a.max_request_bytes, a.request_timeout))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout))
     host, port = sock.getsockname()[:2]
@@ -192,12 +190,14 @@ def main(argv: list[str]) -> None:
     thread = threading.Thread(target=serve_http, name="dtmega-http", daemon=True)
     thread.start()
     url = f"http://{host}:{port}"
+    chat_endpoint = f", POST {url}/v1/chat/completions" if chat.template else ""
     console().print(size.describe() + (f" (--max-batch-size {a.max_batch_size}: the budget holds {size.slots})"
                                        if size.slots < a.max_batch_size else ""), highlight=False)
     console().print(f"[dim]{describe_kv_cache(head.config, a.tensor_model_parallel_size, torch.get_default_dtype())}"
                     "[/dim]", highlight=False)
-    console().print(f"serving {name} ({context}-token context, {size.slots} sequences at a time) on {url}: "
-                    f"PUT {url}/api, POST {url}/v1/completions, GET {url}/v1/health", highlight=False,
+    console().print(chat.note, highlight=False, soft_wrap=True, markup=False)
+    console().print(f"serving {' = '.join(names)} ({context}-token context, {size.slots} sequences at a time) on {url}: "
+                    f"PUT {url}/api, POST {url}/v1/completions{chat_endpoint}, GET {url}/v1/health", highlight=False,
                     soft_wrap=True)  # one line at any width: scripts (and ServerProcess) read the address from it
     engine.run()
     thread.join()

@@ -37,6 +37,7 @@ from dtmega.train.moe_args import MoEArgs
 from dtmega.train.optimizer_args import OptimizerArgs
 from dtmega.train.parallel_args import ParallelArgs
 from dtmega.train.pipeline_args import PipelineArgs
+from dtmega.train.plan_args import PlanArgs, config_passes
 
 if TYPE_CHECKING:
     pass
@@ -51,7 +52,7 @@ class LaunchArgs:
 
 @dataclass(frozen=True)
 class TrainArgs(LaunchArgs, MegatronOnlyArgs, LoggingArgs, CheckpointArgs, DataArgs, OptimizerArgs, MoEArgs,
-                FP8Args, FusionArgs, PipelineArgs,
+                FP8Args, FusionArgs, PipelineArgs, PlanArgs,
                 ParallelArgs, ModelArgs):
     """All options of a training run (flag --foo-bar is field foo_bar), in sections that each own
     their fields and their range checks (the bases, listed last-first so fields keep the order
@@ -227,6 +228,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainArgs, list[str]]:
     file_values = {}
     if config_path is not None:
         file_values = {key.replace("-", "_"): value for key, value in load_toml(Path(config_path)).items()}
+        file_values = config_passes(file_values, config_path, namespace)  # [[passes]] tables: plan_args.py
         known = {f.name for f in fields(TrainArgs)}
         unknown = sorted(set(file_values) - known)
         if unknown:

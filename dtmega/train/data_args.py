@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class DataArgs:
     """The data: dataset prefixes and split, tokenizer, document handling, order."""
     # sizes and counts that must be >= 1 when given
-    at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size",)
+    at_least_one: ClassVar[tuple[str, ...]] = ("vocab_size", "tiktoken_num_special_tokens")
 
     data_path: list[str] = _opt([], "dataset prefix(es), optionally weighted: 0.3 a 0.7 b")
     train_data_path: list[str] | None = _opt(None, "the training split's own dataset prefix(es), weighted as "
@@ -29,15 +29,22 @@ class DataArgs:
                                                   "end of the run, --eval-iters batches")
     data_cache_path: str | None = _opt(None, "directory for the sample indices built from the data (default: beside "
                                              "each dataset; for data on a read-only file system)")
-    no_mmap_bin_files: bool = _opt(False, "read .bin files without memory mapping (not supported yet)")
+    no_mmap_bin_files: bool = _opt(False, "read .bin files with file reads instead of memory mapping them (for file "
+                                           "systems where mapping is slow or not allowed; no effect with --mock-data)")
     mock_data: bool = _opt(False, "synthetic samples of the run's shape instead of --data-path (random ids of the "
                                   "tokenizer's vocabulary: for trying a launch line before the data exists)")
     split: str = _opt("969,30,1", "train,valid,test document proportions")
     tokenizer_type: str | None = _opt(None, "tokenizer used by preprocessing", TOKENIZER_TYPES)
     tokenizer_model: str | None = _opt(None, "tokenizer.json or a Hugging Face directory (HuggingFaceTokenizer), a "
-                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer)")
+                                             "SentencePiece tokenizer.model (Llama2Tokenizer, GPTSentencePieceTokenizer), "
+                                             "a tiktoken vocabulary .json (TikTokenizer)")
     vocab_size: int | None = _opt(None, "NullTokenizer (pre-tokenized data): the token ids are 0..N-1, N is "
-                                        "end-of-document")
+                                        "end-of-document; TikTokenizer: its vocabulary size (default 131072)")
+    tiktoken_pattern: str | None = _opt(None, "TikTokenizer: the split regex, v1 or v2 (default v2)", ("v1", "v2"))
+    tiktoken_num_special_tokens: int = _opt(1000, "TikTokenizer: the number of special-token ids before the "
+                                                  "vocabulary's ranks")
+    tiktoken_special_tokens: list[str] | None = _opt(None, "TikTokenizer: the special tokens (default <unk> <s> </s> "
+                                                           "<mask> <pad> <cls> <sep>; the rest are <SPECIAL_k> fillers)")
     vocab_file: str | None = _opt(None, "vocab.json (GPT2BPETokenizer)")
     merge_file: str | None = _opt(None, "merges.txt (GPT2BPETokenizer)")
     eod_token: str | None = _opt(None, "end-of-document token (default: found in the vocabulary)")

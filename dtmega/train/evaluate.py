@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m dtmega evaluate --load ckpt --data-path d --tensor-model-parallel-size 2
     dtmega evaluate --load ckpt --task wikitext --valid-data wikitext-103/wiki.test.tokens --overlapping-eval 32
     dtmega evaluate --load ckpt --task lambada --valid-data lambada_test.jsonl --strict-lambada
+    dtmega evaluate --load sft-ckpt --data-path data/chat [--sft]    # packed chat samples: the answers' loss
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from dtmega.data.blend import DataConfig, build_datasets, parse_data_path
 from dtmega.data.indexed import IndexedDataset
+from dtmega.data.sft_dataset import SFTDataset, check_sft_file, is_sft_data, read_header, sft_datasets
 from dtmega.data.vocab_check import check_data_ids
 from dtmega.printing import console
 from dtmega.progress import progress_bar
@@ -31,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_source(p)
     p.add_argument("--data-path", nargs="+", help="dataset prefix(es), optionally weighted (the split evaluation)")
+    p.add_argument("--sft", action="store_true",
+                   help="--data-path is packed chat samples (dtmega preprocess --chat, as dtmega train --sft reads): "
+                        "the loss on the assistant's tokens only, attention within each conversation (default: on "
+                        "when --data-path names only such a file)")
     p.add_argument("--task", choices=("wikitext", "lambada"),
                    help="an evaluation task on --valid-data instead of a dataset split (docs/evaluation.md)")
     p.add_argument("--valid-data", help="the task's file: WikiText text (wiki.test.tokens) or LAMBADA JSONL")
@@ -78,7 +84,13 @@ def check_arguments(a: argparse.Namespace) -> None:
                                 "with --valid-data FILE")
         if a.valid_data or a.strict_lambada:
             raise ArgumentError("--valid-data and --strict-lambada belong to --task. Fix: add --task wikitext|lambada")
+        if a.sft and len(a.data_path) != 1:
+            raise ArgumentError("--sft reads one packed chat file: --data-path PREFIX (as `dtmega preprocess --chat "
+                                "--output-prefix PREFIX` wrote it). Fix: one prefix, without a weight")
         return
+    if a.sft:
+        raise ArgumentError(f"--sft evaluates packed chat samples of --data-path; --task {a.task} reads --valid-data. "
+                            "Fix: drop one of them")
     if a.data_path:
         raise ArgumentError(f"--task {a.task} evaluates --valid-data, not --data-path. Fix: drop one of them")
     split_only = [flag for flag, value in (("--split", a.split), ("--global-batch-size", a.global_batch_size),
@@ -140,21 +152,56 @@ def default_seq_length(a: argparse.Namespace, state: dict) -> tuple[int, str]:
     return int(state["args"]["seq_length"]), "the training run's --seq-length; --seq-length N for others"
 
 
+def uses_sft_data(a: argparse.Namespace) -> bool:
+    """Whether --data-path is packed chat samples: --sft, or one prefix that names only such a
+    file (its header read now, before the checkpoint: a wrong --sft fails at once)."""
+    if a.task is not None:
+        return False
+    sft = a.sft or (len(a.data_path) == 1 and is_sft_data(a.data_path[0]))
+    if sft:
+        read_header(a.data_path[0])
+    return sft
+
+
+def sft_validation(a: argparse.Namespace, args: TrainArgs, global_batch: int,
+                   run_iters: int | None) -> tuple[SFTDataset, int, int]:
+    """(dataset, batches, distinct samples) of the packed chat file's validation split, as
+    `dtmega train --sft` builds it (sft_datasets: consecutive samples by the split's weights)."""
+    split = sft_datasets(a.data_path[0], args.seq_length, list(args.split_weights), {"valid": 1})["valid"]
+    if split is None:
+        raise ArgumentError(f"--split {args.split} leaves no samples of {a.data_path[0]}_sft.bin to evaluate. Fix: a "
+                            "split with a validation part, e.g. --split 0,1,0")
+    iters = a.eval_iters or run_iters or max(1, split.count // global_batch)
+    return dataclasses.replace(split, length=max(split.count, iters * global_batch)), iters, split.count
+
+
 def main(argv: list[str]):
-    """Prints and returns the loss (a task: its result)."""
+    """Prints and returns the loss (a task: its result). On packed chat samples (SFT) the loss is
+    over the answers' tokens only and attention stays within each conversation: the numbers the
+    training run's validation reports on them."""
     a = build_parser().parse_args(argv)
     check_arguments(a)
+    sft = uses_sft_data(a)
     pm, tokenizer, state = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, data_parallel="ddp",
-                                                 custom_import=a.custom_import, load_hf=a.load_hf)
+                                                 custom_import=a.custom_import, load_hf=a.load_hf,
+                                                 document_masking=sft, tokenizer_model=a.tokenizer_model)
     if a.task is not None:
         return run_task(a, pm, tokenizer, state)
-    seq_length, why = default_seq_length(a, state)
+    if sft:
+        seq_length = a.seq_length or read_header(a.data_path[0])["seq_length"]
+        why = "--seq-length" if a.seq_length else "the packed chat file's --seq-length"
+        console().print(f"[dim]note: {a.data_path[0]} holds packed chat samples (dtmega preprocess --chat): the loss "
+                        "on the assistant's tokens only, as dtmega train --sft validates[/dim]", highlight=False)
+    else:
+        seq_length, why = default_seq_length(a, state)
     console().print(f"[dim]note: samples of {seq_length} tokens ({why})[/dim]", highlight=False)
     context = state.get("model_config", {}).get("max_seq_len")
     if context is not None and seq_length > context:  # before: an IndexError in the RoPE table
         raise ArgumentError(f"--seq-length {seq_length} is longer than the model's context of {context} tokens (its "
                             f"max position embeddings). Fix: --seq-length {context} or less")
-    for _, prefix in parse_data_path(a.data_path):
+    if sft:
+        check_sft_file(a.data_path[0], seq_length, tokenizer.vocab_size)
+    for _, prefix in ([] if sft else parse_data_path(a.data_path)):
         check_data_ids(prefix, tokenizer.vocab_size, "the checkpoint")  # the tokenizer's ids, not the padded table
     run = state["args"]
     seed = a.seed if a.seed is not None else run.get("seed", 1234)
@@ -163,14 +210,17 @@ def main(argv: list[str]):
                      global_batch_size=global_batch, tensor_model_parallel_size=a.tensor_model_parallel_size,
                      data_parallel="ddp", seed=seed)
     shape = run_shape(args, dist.get_world_size())
-    tokens = sum(IndexedDataset(p).num_tokens for _, p in parse_data_path(a.data_path))
-    iters = a.eval_iters or run_iters or max(1, (tokens - 1) // seq_length // shape.global_batch)
+    if sft:
+        dataset, iters, distinct = sft_validation(a, args, shape.global_batch, run_iters)
+    else:
+        tokens = sum(IndexedDataset(p).num_tokens for _, p in parse_data_path(a.data_path))
+        iters = a.eval_iters or run_iters or max(1, (tokens - 1) // seq_length // shape.global_batch)
+        dataset = build_datasets(DataConfig(tuple(a.data_path), args.split_weights, seq_length, seed),
+                                 {"valid": iters * shape.global_batch})["valid"]
+        if dataset is None:
+            raise ArgumentError(f"--split {a.split} leaves no documents to evaluate")
+        distinct = getattr(dataset, "samples_per_epoch", None)
     args = dataclasses.replace(args, eval_iters=iters)
-    dataset = build_datasets(DataConfig(tuple(a.data_path), args.split_weights, seq_length, seed),
-                             {"valid": iters * shape.global_batch})["valid"]
-    if dataset is None:
-        raise ArgumentError(f"--split {a.split} leaves no documents to evaluate")
-    distinct = getattr(dataset, "samples_per_epoch", None)
     if distinct is not None and iters * shape.global_batch > distinct:
         once = max(1, distinct // shape.global_batch)
         console().print(f"[yellow]note:[/yellow] the held-out data holds {distinct} samples of {seq_length} tokens; "
@@ -179,5 +229,5 @@ def main(argv: list[str]):
     with progress_bar("evaluate", total=iters, unit="batches") as bar:
         loss = evaluate_loss(pm, dataset, args, shape, tokenizer.eod, on_batch=bar.advance)
     console().print(f"{iters * shape.global_batch} samples x {seq_length} tokens: loss {loss:.4f}, "
-                    f"perplexity {math.exp(min(loss, 50.0)):.3f}")
+                    f"perplexity {math.exp(min(loss, 50.0)):.3f}" + (" (the answers' tokens)" if sft else ""))
     return loss

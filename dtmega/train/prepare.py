@@ -26,6 +26,7 @@ from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import CheckpointError, read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
+from dtmega.train.run_data import RunData, plan_run_data
 from dtmega.train.save_ownership import check_save_ownership
 from dtmega.train.setup import (
     RunShape,
@@ -35,6 +36,7 @@ from dtmega.train.setup import (
     plan_notes,
     reject_unsupported,
     run_shape,
+    tiktoken_flag_notes,
     tokenizer_spec,
 )
 
@@ -51,6 +53,7 @@ class RunPlan:
     unigram_entropy: float | None
     spec: ModelSpec
     args: TrainArgs  # the arguments as the run takes them (with what --auto-plan chose, --load dropped on a fresh start)
+    data: RunData  # the splits as planned from the indices (the trainer builds them; a dry run stops before)
     notes: list[str] = field(default_factory=list)  # what start-up decided that the user should hear
 
     def build_model(self, seed: int):
@@ -179,7 +182,8 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     notes = args.check_data_source() + args.check_logging()
     token_spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(token_spec)
-    if args.vocab_size is not None and token_spec.tokenizer_type != "NullTokenizer":
+    notes += tiktoken_flag_notes(args)
+    if args.vocab_size is not None and token_spec.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
         notes.append(f"--vocab-size {args.vocab_size} is NullTokenizer's; --tokenizer-type {token_spec.tokenizer_type} "
                      f"has its own vocabulary of {tokenizer.vocab_size} ids, which this run uses (as Megatron does)")
     if args.auto_plan:
@@ -206,15 +210,19 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         for prefix in args.data_prefixes:
             IndexedDataset(prefix)  # a missing or malformed .bin/.idx fails here, naming the file
     entropy = None if args.sft else check_data_vocab(args, tokenizer.vocab_size)
+    data = plan_run_data(args, shape.global_batch)  # every split the launch builds, refused here as there
+    notes += data.notes
     plan = build_plan(args, shape, layers_of(spec, config))
-    notes += plan_notes(args, shape) + validation_cost_note(args, args.total_steps(shape.global_batch))
+    notes += plan_notes(args, shape)
+    if data.validates:
+        notes += validation_cost_note(args, args.total_steps(shape.global_batch))
     parameters = check_before_launch(spec, config, shape, plan, args)
     check_outputs(args)
     if args.save:
         notes += save_ownership_notes(args)
         warning = check_save_dir(args.save, parameters, create=args.dry_run is None)
         notes += [warning] if warning else []
-    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, args, notes)
+    return RunPlan(shape, token_spec, tokenizer, config, plan, entropy, spec, args, data, notes)
 
 
 def check_outputs(args: TrainArgs) -> None:
@@ -365,6 +373,18 @@ def dry_run_world(args: TrainArgs) -> int:
     return world
 
 
+def model_title(config: Any, model: torch.nn.Module) -> str:
+    """How the dry run names the model: its class, and for a mixture of experts how many experts
+    and how many each token takes (a Mixtral line is "Llama with a mixture of experts (8 experts,
+    top-2)", not just "Llama")."""
+    name = type(model).__name__
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return name
+    shared = f", a shared expert of width {moe.shared_expert_ffn_dim}" if moe.shared_expert_ffn_dim else ""
+    return f"{name} with a mixture of experts ({moe.num_experts} experts, top-{moe.top_k}{shared})"
+
+
 def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
     """Checks the run for `dry_run_world(args)` ranks on the meta device, prints the layout and
     a summary, and returns the layout. Nothing is allocated and no process group is made."""
@@ -381,7 +401,7 @@ def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
     for note in [*notes, *run.notes]:
         out.print(f"[dim]note: {note}[/dim]")
     mesh = " x ".join(f"{axis}={size}" for axis, size in layout.mesh.items() if size > 1) or "1 rank"
-    out.print(layout_table(layout, title=f"dry run: {type(model).__name__} on {mesh}"))
+    out.print(layout_table(layout, title=f"dry run: {model_title(run.config, model)} on {mesh}"))
     s = run.shape
     out.print(
         f"dry run for {world} ranks: {layout.global_param_count():,} parameters, {layout.local_param_count():,} "

@@ -17,6 +17,7 @@ from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import Plan
 from dtmega.train.args import ArgumentError, MoEArgs, TrainArgs
 from dtmega.train.not_built import refuse_not_built
+from dtmega.train.plan_file import compose_plan
 
 
 @dataclass(frozen=True)
@@ -277,19 +278,46 @@ def plan_notes(args: TrainArgs, shape: RunShape) -> list[str]:
 
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:
     """The pass sequence the flags ask for: each section of the arguments contributes its passes
-    (dtmega/train/args.py), in plan order."""
+    (dtmega/train/args.py), in plan order; then the passes of one's own (--plan, or --config's
+    [[passes]]) in the places their declarations give them (plan_file.py). The dry run, the
+    launch, the ranks' agreement check and the checkpoint's record all take this plan."""
     refuse_not_built(args)
-    return Plan([*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.document_passes(),
-                 *args.fusion_passes(), *args.attention_passes(), *args.fp8_passes(),
-                 *args.data_parallel_passes(args.compute_dtype)])
+    flag_built = [*args.split_passes(shape, n_layers), *args.pipeline_passes(shape, n_layers), *args.document_passes(),
+                  *args.fusion_passes(), *args.attention_passes(), *args.fp8_passes(),
+                  *args.data_parallel_passes(args.compute_dtype)]
+    return Plan(compose_plan(flag_built, args.custom_plan()))
 
 
 def tokenizer_spec(args: TrainArgs) -> TokenizerSpec:
     """The tokenizer the data was prepared with."""
+    if args.load_hf:  # a Hub id is named as one, not as a missing tokenizer file
+        from dtmega.interop.local_model import require_local_dir
+
+        require_local_dir(args.load_hf, "--load-hf")
     if args.tokenizer_type is None and args.load_hf:  # the model's own tokenizer
         return TokenizerSpec("HuggingFaceTokenizer", args.tokenizer_model or args.load_hf, eod_token=args.eod_token)
     if args.tokenizer_type is None:
         raise ArgumentError("--tokenizer-type is required (the one the data was preprocessed with)")
-    null = args.tokenizer_type == "NullTokenizer"  # --vocab-size is its alone (Megatron ignores it elsewhere too)
-    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token,
-                         args.vocab_size if null else None)
+    sized = args.tokenizer_type in ("NullTokenizer", "TikTokenizer")  # --vocab-size is theirs (Megatron ignores it elsewhere)
+    if args.tokenizer_type != "TikTokenizer":
+        return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token,
+                             args.vocab_size if sized else None)
+    special = tuple(args.tiktoken_special_tokens) if args.tiktoken_special_tokens else None
+    return TokenizerSpec(args.tokenizer_type, args.tokenizer_model, eod_token=args.eod_token, vocab_size=args.vocab_size,
+                         tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                         tiktoken_special_tokens=special)
+
+
+def tiktoken_flag_notes(args: TrainArgs) -> list[str]:
+    """The TikTokenizer flags on a line with another --tokenizer-type mean nothing, as in Megatron
+    (its Llama-3 FP8 example passes --tiktoken-pattern v2 with NullTokenizer): a note says so."""
+    if args.tokenizer_type == "TikTokenizer":
+        return []
+    given = [flag for flag, value, default in (("--tiktoken-pattern", args.tiktoken_pattern, None),
+                                               ("--tiktoken-num-special-tokens", args.tiktoken_num_special_tokens, 1000),
+                                               ("--tiktoken-special-tokens", args.tiktoken_special_tokens, None))
+             if value != default]
+    if not given:
+        return []
+    return [f"{', '.join(given)} configure(s) --tokenizer-type TikTokenizer; --tokenizer-type {args.tokenizer_type} "
+            "does not read them (as in Megatron)"]

@@ -19,10 +19,8 @@ import torch
 import torch.distributed as dist
 
 import dtmega
-from dtmega.data.blend import DataConfig, build_datasets
 from dtmega.data.loader import BatchLoader
 from dtmega.data.sample_order import CyclicOrder
-from dtmega.data.sft_dataset import sft_datasets
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
@@ -119,23 +117,7 @@ class Trainer:
         self.config, self.plan, self.unigram_entropy = run.config, run.plan, run.unigram_entropy
         g = self.shape.global_batch
         self.train_iters = args.total_steps(g)  # --train-iters, or --train-samples over the global batch
-        # the test split is never read by training: it is not built, so a short one never blocks a run
-        sizes = {"train": self.train_iters * g, "valid": args.eval_iters * g}
-        if args.test_data_path:  # asked for by name: evaluated once at the end, as Megatron does
-            sizes["test"] = args.eval_iters * g
-        if args.mock_data:
-            from dtmega.data.mock import mock_datasets
-
-            self.datasets = mock_datasets(sizes, args.seq_length, self.tokenizer.vocab_size, self.tokenizer.eod,
-                                          args.seed)
-        elif args.sft:  # packed chat samples (dtmega preprocess --chat)
-            self.datasets = sft_datasets(args.data_path[0], args.seq_length, list(args.split_weights), sizes)
-        else:
-            self.datasets = build_datasets(DataConfig(tuple(args.data_path), args.split_weights, args.seq_length,
-                                                      args.seed, args.data_cache_path, args.per_split_paths), sizes)
-        if self.datasets["train"] is None:
-            raise ArgumentError(f"--split {args.split} leaves no training documents" if args.per_split_paths is None
-                                else f"--train-data-path {' '.join(args.train_data_path or [])} holds no documents")
+        self.datasets = run.data.build(args, self.tokenizer)  # planned and checked by prepare_run
         sizes = self.shape.mesh_sizes()
         if mesh is not None and mesh_sizes(mesh) != sizes:
             raise ArgumentError(f"the mesh given has the sizes {mesh_sizes(mesh)}, but the arguments ask for {sizes}")

@@ -161,3 +161,24 @@ def test_aborted_writer_leaves_nothing(tmp_path):
     writer.add_document([np.array([1, 2])])
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_file_reads_give_the_memory_maps_tokens(tmp_path):
+    """--no-mmap-bin-files (Megatron's switch): the .bin read with positioned file reads gives the
+    tokens the memory map gives, for whole sequences and any window of one, and the GPT samples
+    built over it are the same."""
+    from dtmega.data.blend import DataConfig, build_datasets
+
+    writer = IndexedDatasetWriter(tmp_path / "c", np.uint16)
+    rng = np.random.RandomState(1)
+    for _ in range(30):
+        writer.add_document([rng.randint(0, 60000, size=rng.randint(1, 90))])
+    writer.finalize()
+    mapped, read = IndexedDataset(tmp_path / "c"), IndexedDataset(tmp_path / "c", mmap=False)
+    assert isinstance(mapped._data, np.memmap) and not isinstance(read._data, np.memmap)
+    for index in range(len(mapped)):
+        assert np.array_equal(mapped.get(index), read.get(index))
+        assert np.array_equal(mapped.get(index, 1, 3), read.get(index, 1, 3))
+    samples = [build_datasets(DataConfig((str(tmp_path / "c"),), (1.0, 0.0, 0.0), 16, 3, mmap=mmap),
+                              {"train": 40})["train"] for mmap in (True, False)]
+    assert all(np.array_equal(samples[0][i], samples[1][i]) for i in range(40))

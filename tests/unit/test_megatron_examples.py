@@ -50,12 +50,17 @@ LLAMA3_8B_H100_FP8 = """
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
 --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
---data-path {data} --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer} --data-cache-path {cache}
---split '99,1,0' --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --vocab-size 128256
+{data_args}
 --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile
 --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
 --save {save} --load {save} --tensorboard-dir {tensorboard}
 """
+# DATA_ARGS_LIST's two branches: real data, and the script's default (TOKENIZER_ARG and DATA_ARG "MOCK")
+LLAMA3_REAL_DATA = """--data-path {data} --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer}
+--data-cache-path {cache} --split '99,1,0' --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+--vocab-size 128256"""
+LLAMA3_MOCK_DATA = """--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path {cache}
+--tiktoken-pattern v2 --split '99,1,0' --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1"""
 GPUS = 8  # GPUS_PER_NODE x NUM_NODES of the script
 
 
@@ -70,11 +75,28 @@ def paths(tmp_path_factory):
     result = preprocess(PreprocessConfig(input=root / "corpus.jsonl", output_prefix=str(root / "data" / "corpus"),
                                          train_tokenizer=512, append_eod=True, progress=False))
     return dict(data=str(root / "data" / "corpus_text_document"), tokenizer=str(result.tokenizer_path),
-                cache=str(root / "cache"), save=str(root / "checkpoints"), tensorboard=str(root / "tb"))
+                cache=str(root / "cache"), save=str(root / "checkpoints"), tensorboard=str(root / "tb"),
+                long=_long_corpus(root / "long" / "corpus_text_document"))
 
 
-def _argv(paths) -> list[str]:
-    return shlex.split(LLAMA3_8B_H100_FP8.format(**paths), posix=True)
+def _long_corpus(prefix: Path) -> str:
+    """100 documents of 10,000 ids below 240 (in every tokenizer's vocabulary here): long enough for
+    the examples' 2,048-8,192-token samples in the training and validation parts of their --split
+    (the dry run checks the splits as the launch does); the text corpora stay for real training."""
+    import numpy as np
+
+    from dtmega.data.indexed import IndexedDatasetWriter
+
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    rng = np.random.RandomState(0)
+    for _ in range(100):
+        writer.add_document([rng.randint(0, 240, size=10_000)])
+    writer.finalize()
+    return str(prefix)
+
+
+def _argv(paths, data_args: str = LLAMA3_REAL_DATA) -> list[str]:
+    return shlex.split(LLAMA3_8B_H100_FP8.format(**paths, data_args=data_args.format(**paths)), posix=True)
 
 
 def _refused_rows(argv: list[str]) -> list:
@@ -97,11 +119,10 @@ def _without(argv: list[str], flags: set[str]) -> list[str]:
 
 
 def test_megatrons_llama3_8b_fp8_line_is_taken_but_for_the_not_built_features(paths, capsys):
-    argv = _argv(paths)
+    argv = _argv(dict(paths, data=paths["long"]))
     rows = _refused_rows(argv)
     flags = {flag for row in rows for flag in row.example if flag.startswith("--")}
-    assert {row.flags for row in rows} == {"--apply-layernorm-1p",
-                                           "--decoupled-lr/--decoupled-min-lr", "--no-mmap-bin-files", "--profile"}
+    assert {row.flags for row in rows} == {"--apply-layernorm-1p", "--decoupled-lr/--decoupled-min-lr", "--profile"}
     flags.add("--decoupled-min-lr")
     rest = _without(argv, flags)
     for row in rows:  # each alone on the rest of the line: refused with its reason, before any work
@@ -112,6 +133,25 @@ def test_megatrons_llama3_8b_fp8_line_is_taken_but_for_the_not_built_features(pa
     out = capsys.readouterr().out
     assert "--sequence-parallel with --tensor-model-parallel-size 1: sequence parallelism is off" in out
     assert "--vocab-size 128256 is NullTokenizer's" in out
+
+
+def test_the_llama3_8b_fp8_script_as_shipped_lists_every_refusal_in_one_dry_run(paths, capsys):
+    """The script's default branch (MOCK: NullTokenizer with --tiktoken-pattern v2, --no-mmap-bin-files
+    with --mock-data) was refused on --tiktoken-pattern; one dry run now lists every not-built
+    feature of the line, each with its reason, and without them the line checks out for 8 GPUs with
+    notes for the flags that mean nothing there."""
+    argv = _argv(paths, LLAMA3_MOCK_DATA)
+    assert main(["train", *argv, "--dry-run", str(GPUS)]) == 2
+    err = capsys.readouterr().err
+    assert "3 features this line asks for are not built yet" in err
+    for row in _refused_rows(argv):
+        assert f"  - {row.flags}: {row.reason}" in err
+    rest = _without(argv, {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--profile"})
+    train([*rest, "--dry-run", str(GPUS)])
+    out = capsys.readouterr().out
+    assert "Arguments, files and plan check out" in out
+    assert "--tiktoken-pattern configure(s) --tokenizer-type TikTokenizer" in out
+    assert "--no-mmap-bin-files with --mock-data" in out
 
 
 MIXTRAL_8X7B = """
@@ -202,6 +242,7 @@ def more_paths(paths, tmp_path_factory):
         preprocess(PreprocessConfig(input=root / "corpus.jsonl", output_prefix=str(root / key), tokenizer=spec,
                                     append_eod=True, progress=False))
         found[key] = str(root / f"{key}_text_document")
+        found[key.replace("_data", "_long")] = _long_corpus(root / f"{key}_long_text_document")
     return found
 
 
@@ -237,14 +278,15 @@ def _row_flags(row, groups: list[list[str]], args_of) -> set[str]:
         "--moe-flex-dispatcher-backend",
         "--moe-permute-fusion", "--moe-router-force-load-balancing", "--recompute-modules other than core_attn",
         "--fsdp-double-buffer --use-nccl-ub", "--megatron-fsdp-main-grads-dtype bf16",
-        "--dist-ckpt-strictness other than raise_all", "--no-mmap-bin-files"}),
+        "--dist-ckpt-strictness other than raise_all"}),
 ], ids=["mixtral_8x7b", "gpt3_175b", "deepseek_v3_megatron_fsdp"])
 def test_megatrons_example_lines_are_taken_but_for_the_not_built_features(line, world, expected, more_paths, capsys,
                                                                           monkeypatch):
     from dtmega.train.args import parse_train_args
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    argv = shlex.split(line.format(**more_paths), posix=True)
+    long = {"data": more_paths["long"], "spm_data": more_paths["spm_long"], "gpt2_data": more_paths["gpt2_long"]}
+    argv = shlex.split(line.format(**{**more_paths, **long}), posix=True)
     groups = _segments(argv)
     args_of = lambda tokens: parse_train_args(tokens)[0]  # noqa: E731
     rows = [item for item in NOT_BUILT if item.applies(args_of(argv))]

@@ -64,7 +64,7 @@ def test_templates_from_a_jinja_file_and_named_lists_and_none(tmp_path):
 @pytest.fixture(scope="module")
 def chat_server(tiny_checkpoint, tmp_path_factory):
     template = tokenizer_dir(tmp_path_factory.mktemp("chat") / "tok", CHATML)
-    process = ServerProcess(["--load", str(tiny_checkpoint), "--chat-template", template])
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--chat-template", template, "--model-name", "m", "tiny"])
     yield process, ChatTemplate.load(template)
     assert process.stop() == 0, "".join(process.lines)[-3000:]
 
@@ -118,6 +118,25 @@ def test_bad_messages_get_400_in_openais_shape_and_the_server_keeps_serving(chat
     status, error = server.request("POST", "/v1/chat/completions", {"messages": SHORT, "tools": [{"x": 1}]})
     assert status == 400 and error["error"]["param"] == "tools"
     assert server.health()["status"] == "ok"
+
+
+def test_a_model_the_server_does_not_serve_is_404_model_not_found(chat_server):
+    """As OpenAI and vLLM answer: `gpt-4o` is not this server's model (it used to be answered by
+    it); every name of --model-name is served, the first is the one /v1/models lists first."""
+    from openai import NotFoundError, OpenAI
+
+    server, _ = chat_server
+    for path, body in (("/v1/chat/completions", {"messages": SHORT, "max_tokens": 2}),
+                       ("/v1/completions", {"prompt": "In", "max_tokens": 2})):
+        status, error = server.request("POST", path, {**body, "model": "gpt-4o"})
+        assert status == 404 and error["error"]["code"] == "model_not_found" and error["error"]["param"] == "model"
+        assert "'gpt-4o' does not exist" in error["error"]["message"] and "'m'" in error["error"]["message"]
+        status, answer = server.request("POST", path, {**body, "model": "tiny"})
+        assert status == 200 and answer["model"] == "tiny"
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=SHORT, max_tokens=2)
+    assert [m.id for m in client.models.list().data] == ["m", "tiny"]
 
 
 def test_a_server_without_a_template_says_how_to_give_one(tiny_checkpoint):

@@ -2,8 +2,9 @@
 own chat template, puts the loss on the assistant's tokens only (checked by counting them
 independently), packs conversations whole with their boundaries; bad chat files are one line
 naming the line and the fix; `dtmega train --sft --load-hf` on 2 ranks trains on them (the loss
-falls), and `dtmega serve` answers /v1/chat/completions for the saved checkpoint with the greedy
-text transformers' `generate` gives for the same model and the same rendered prompt."""
+falls), and `dtmega serve` answers /v1/chat/completions for the saved checkpoint, with the chat
+template it kept from SmolLM2 (no --chat-template), with the greedy text transformers' `generate`
+gives for the same model and the same rendered prompt."""
 
 from __future__ import annotations
 
@@ -145,13 +146,14 @@ def test_sft_end_to_end_train_on_two_ranks_then_chat_like_transformers(tmp_path)
     messages = [{"role": "user", "content": "What is 5 plus 5?"}]
     from dtmega.serve.process import ServerProcess
 
-    server = ServerProcess(["--load", str(save), "--chat-template", str(smollm2_dir())])
+    server = ServerProcess(["--load", str(save)])  # no --chat-template: the checkpoint kept SmolLM2's (issue 47)
     try:
         status, body = server.request("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 12,
                                                                        "temperature": 0})
     finally:
         assert server.stop() == 0
     assert status == 200, body
+    assert any(line.startswith("chat template: the checkpoint's own") for line in server.lines), server.lines
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

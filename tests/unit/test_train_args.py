@@ -267,7 +267,7 @@ def test_sizes_and_counts_that_mean_nothing_are_refused_by_flag(flags, message):
 
 
 def test_the_arguments_are_sections_that_own_their_flags_and_checks_and_cannot_be_changed():
-    """TrainArgs is the sum of its sections (model, parallel, pipeline, fusion, fp8, moe,
+    """TrainArgs is the sum of its sections (model, parallel, custom plan, pipeline, fusion, fp8, moe,
     optimizer, data, checkpoint, logging, Megatron-only, launch): each field is declared in exactly one, each range
     check names a field of its own section, and the parsed result is immutable (what start-up
     derives is a new value)."""
@@ -276,7 +276,7 @@ def test_the_arguments_are_sections_that_own_their_flags_and_checks_and_cannot_b
     from dtmega.train import args as module
 
     sections = [cls for cls in module.TrainArgs.__mro__[1:] if cls is not object]
-    assert len(sections) == 12
+    assert len(sections) == 13
     owners = {}
     for section in sections:
         own = {f.name for f in fields(section)}

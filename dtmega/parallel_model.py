@@ -21,7 +21,7 @@ from dtmega.passes.pipeline_runtime import PipelineParts
 from dtmega.passes.pipeline_table import schedule_table
 from dtmega.passes.render import layout_table
 from dtmega.passes.results import PipelineStages
-from dtmega.passes.runtime import Batch, MicrobatchLoop, RuntimeHook, StepContext
+from dtmega.passes.runtime import AVERAGING, Batch, MicrobatchLoop, RuntimeHook, StepContext
 
 
 class ParallelModel(ModelWeights):
@@ -188,36 +188,43 @@ class ParallelModel(ModelWeights):
             fields = hook.shard_batch(fields)
         return fields
 
-    def _step(self, fields: Batch, microbatches: int | None, loss_scale: float, train: bool) -> tuple:
+    def _step(self, fields: Batch, microbatches: int | None, loss_scale: float, train: bool,
+              averaging: str = "tokens") -> tuple:
         tokens = self._data_sum(fields.loss_mask.sum().to(torch.float32))
         if tokens.device.type == "cuda":  # checked on the device: no host synchronization
             torch._assert_async(tokens > 0, "the global batch has no token with loss_mask=1")
         elif float(tokens) == 0:
             raise DtmegaError("the global batch has no token with loss_mask=1; nothing to learn from")
         ranks = self.program.data_size()
+        if averaging not in AVERAGING:
+            raise PlanError(f"averaging={averaging!r}: choose one of {', '.join(AVERAGING)}")
         step = StepContext(microbatches or self.executor.default_microbatches(), loss_scale, ranks,
-                           ranks * loss_scale / tokens, train)
+                           ranks * loss_scale / tokens, train, averaging)
         return step, tokens
 
     def forward_backward(self, batch: TensorDict, microbatches: int | None = None,
-                         loss_scale: float = 1.0) -> torch.Tensor:
+                         loss_scale: float = 1.0, averaging: str = "tokens") -> torch.Tensor:
         """Forward and backward over this rank's `batch`, split into `microbatches` (gradient
         accumulation; the pipeline's micro-batches under pipeline parallelism, by default the
-        plan's); returns the detached global mean loss. Gradients are those of `loss_scale` x
-        the loss (fp16 loss scaling). Not for `torch.compile` (PlanError naming `Compile()` and
-        `dtmega.capture_step`, which compile what can be)."""
+        plan's); returns the detached global token-weighted mean loss. Gradients are those of
+        `loss_scale` x the loss (fp16 loss scaling), averaged as `averaging` says: "tokens", the
+        global token-weighted mean (the unsharded model's loss; Megatron's
+        --calculate-per-token-loss), or "microbatches", each micro-batch's token mean on each
+        rank averaged over micro-batches and data-parallel ranks (Megatron's default). Not for
+        `torch.compile` (PlanError naming `Compile()` and `dtmega.capture_step`, which compile
+        what can be)."""
         refuse_whole_step_compile("forward_backward")
-        fields, step, tokens = self.begin_step(batch, microbatches, loss_scale)
+        fields, step, tokens = self.begin_step(batch, microbatches, loss_scale, averaging)
         return self.run_step(fields, step, tokens)
 
     def begin_step(self, batch: TensorDict, microbatches: int | None = None,
-                   loss_scale: float = 1.0) -> tuple[Batch, StepContext, torch.Tensor]:
+                   loss_scale: float = 1.0, averaging: str = "tokens") -> tuple[Batch, StepContext, torch.Tensor]:
         """A training step's host side: this rank's batch validated and cut by the hooks, the
         global number of loss tokens, and each hook told the step begins. `run_step` is the
         rest; `forward_backward` is both (dtmega.step_capture compiles `run_step` alone)."""
         refuse_whole_step_compile("begin_step")
         fields = self.prepare_batch(batch)
-        step, tokens = self._step(fields, microbatches, loss_scale, train=True)
+        step, tokens = self._step(fields, microbatches, loss_scale, train=True, averaging=averaging)
         for hook in self.hooks:
             hook.begin_step(step)
         return fields, step, tokens

@@ -106,7 +106,7 @@ class PipelineExecutor(Executor):
         self.group = self.mesh.get_group()
         self.has_first = 0 in local_stages
         self.has_last = self.info.stages - 1 in local_stages
-        self.scale = 1.0
+        self.step, self._unscaled = None, []  # the step being run; each micro-batch's unscaled loss
         self._stages: list[_Stage] | None = None
         self._schedules: dict[int, object] = {}
         self._plan_loss: Loss | None = None
@@ -171,7 +171,10 @@ class PipelineExecutor(Executor):
             tp_mesh = self.program.submesh(self.program.axes.name("tensor"))
             output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False)
         batch = Batch.from_loss_target(target, self._target_layout)
-        return self.loss.criterion(self.stages[-1].submod, output, batch) * self.scale
+        scale = self.step.scale_for(batch) if self.step is not None and self.step.train else 1.0
+        loss = self.loss.criterion(self.stages[-1].submod, output, batch)
+        self._unscaled.append(loss.detach())
+        return loss * scale
 
     def schedule(self, microbatches: int):
         """The schedule for `microbatches` per step (built once per count)."""
@@ -191,7 +194,7 @@ class PipelineExecutor(Executor):
                 f"a batch of {batch.tokens.shape[0]} sequences cannot be split into {microbatches} pipeline "
                 f"micro-batches. Fix: make the batch size a multiple of {microbatches}"
             )
-        self.scale = step.grad_scale if step.train else 1.0  # a tensor: no host synchronization
+        self.step, self._unscaled = step, []  # _loss scales each micro-batch (a tensor: no host synchronization)
         schedule = self.schedule(microbatches)
         target, self._target_layout = batch.loss_target()
         kwargs = self._stage_kwargs(batch.position_ids, batch.extra.get("document_ids"), batch)
@@ -206,7 +209,7 @@ class PipelineExecutor(Executor):
         # Every stage reduces a scalar of the same dtype: fp32, or float64 for a float64 model.
         dtype = accumulation_dtype(next(self.program.parts[0].parameters()).dtype)
         total = torch.zeros((), dtype=dtype, device=batch.tokens.device)
-        if self.has_last:
-            total = (torch.stack([loss.detach() for loss in losses]).sum() / self.scale).to(dtype)
+        if self.has_last:  # the step's own micro-batches: the last ones (torch's shape inference may run one before)
+            total = torch.stack(self._unscaled[-len(losses):]).sum().to(dtype)
         dist.all_reduce(total, group=self.group)
         return total

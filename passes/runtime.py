@@ -75,6 +75,9 @@ class Batch:
         return Batch(labels, labels, loss_mask, None, fields)
 
 
+AVERAGING = ("tokens", "microbatches")  # StepContext.averaging
+
+
 @dataclass
 class StepContext:
     """What one `forward_backward` call shares with the hooks and the executor."""
@@ -84,6 +87,19 @@ class StepContext:
     ranks: int  # ranks gradients are averaged over (data x context): each scales its loss by it
     grad_scale: torch.Tensor  # per-token gradient scale: ranks x loss_scale / global loss tokens
     train: bool = True
+    # How the gradient averages the loss: "tokens", the global batch's token-weighted mean (the
+    # unsharded model's loss; Megatron's --calculate-per-token-loss), or "microbatches", each
+    # micro-batch's own token mean on each rank, averaged over micro-batches and ranks
+    # (Megatron's default). The returned loss is the token-weighted mean either way, as Megatron
+    # reports it.
+    averaging: str = "tokens"
+
+    def scale_for(self, chunk: "Batch") -> torch.Tensor:
+        """The gradient scale of one micro-batch's summed loss on this rank."""
+        if self.averaging == "tokens":
+            return self.grad_scale
+        tokens = chunk.loss_mask.sum().to(torch.float32).clamp(min=1.0)  # all masked: zero, as Megatron
+        return self.loss_scale / (tokens * self.microbatches)
 
 
 class RuntimeHook:
@@ -162,7 +178,7 @@ class MicrobatchLoop(Executor):
             if step.train:
                 for hook in hooks:
                     hook.gradient_sync(index == len(chunks) - 1)
-                loss = self.loss_fn(self.module, chunk, step.grad_scale)
+                loss = self.loss_fn(self.module, chunk, step.scale_for(chunk))
             else:
                 with torch.no_grad():
                     loss = self.loss_fn(self.module, chunk, None)

@@ -37,32 +37,44 @@ def sample_to_fields(samples: np.ndarray, eod: int, eod_mask_loss: bool, reset_p
 
 
 class BatchLoader:
-    """Global batch g covers positions [g*G, (g+1)*G); this rank takes its contiguous 1/dp slice.
-    The position is `consumed_samples`, so a resumed run reads exactly what it would have.
-    `order` maps a position to a dataset index (sample_order.py's CyclicOrder for
+    """Global batch g covers positions [g*G, (g+1)*G), dealt to the data-parallel ranks as
+    Megatron's pretraining sampler deals them: each run of micro_batch x dp positions gives rank
+    r its micro_batch positions at r x micro_batch (so micro-batch m of rank r holds positions
+    g*G + m*micro_batch*dp + r*micro_batch ...; with one micro-batch per rank, its contiguous
+    1/dp slice). The position is `consumed_samples`, so a resumed run reads exactly what it would
+    have. `order` maps a position to a dataset index (sample_order.py's CyclicOrder for
     `--dataloader-type cyclic`, which never runs out); by default position p is sample p."""
 
     def __init__(self, dataset, global_batch: int, dp_rank: int, dp_size: int, *, eod: int,
                  eod_mask_loss: bool = False, reset_position_ids: bool = False, consumed_samples: int = 0,
-                 order: Callable[[int], int] | None = None, reset_attention_mask: bool = False):
+                 order: Callable[[int], int] | None = None, reset_attention_mask: bool = False,
+                 micro_batch: int | None = None):
         if global_batch % dp_size:
             raise DtmegaError(f"global batch {global_batch} is not divisible by {dp_size} data-parallel ranks")
         self.dataset, self.global_batch = dataset, global_batch
-        self.dp_rank, self.local = dp_rank, global_batch // dp_size
+        self.dp_rank, self.dp_size, self.local = dp_rank, dp_size, global_batch // dp_size
+        self.micro_batch = micro_batch or self.local
+        if self.local % self.micro_batch:
+            raise DtmegaError(f"a rank's {self.local} sequences per step are not whole micro-batches of {self.micro_batch}")
         self.eod, self.eod_mask_loss, self.reset_position_ids = eod, eod_mask_loss, reset_position_ids
         self.reset_attention_mask = reset_attention_mask
         self.consumed_samples = consumed_samples
         self.order = order
 
+    def positions(self) -> list[int]:
+        """This rank's positions of the next global batch, in micro-batch order."""
+        run = self.micro_batch * self.dp_size
+        first = self.consumed_samples + self.dp_rank * self.micro_batch
+        return [first + m * run + j for m in range(self.local // self.micro_batch) for j in range(self.micro_batch)]
+
     def __iter__(self):
         return self
 
     def __next__(self) -> TensorDict:
-        start = self.consumed_samples + self.dp_rank * self.local
         if self.order is None and self.consumed_samples + self.global_batch > len(self.dataset):
             raise StopIteration
         order = self.order or int
-        samples = np.stack([self.dataset[order(i)] for i in range(start, start + self.local)])
+        samples = np.stack([self.dataset[order(i)] for i in self.positions()])
         self.consumed_samples += self.global_batch
         to_fields = getattr(self.dataset, "to_fields", None)  # a dataset of its own fields (SFT's packed chats)
         if to_fields is not None:

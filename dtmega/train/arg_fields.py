@@ -13,9 +13,10 @@ class ArgumentError(DtmegaError):
     """The arguments cannot run; the message names the flag and the fix."""
 
 
-def opt(default: Any = None, help: str = "", choices: tuple | None = None) -> Any:
-    """A section field for flag --<name>: its default, its `--help` line and its choices."""
-    meta = {"help": help, "choices": choices}
+def opt(default: Any = None, help: str = "", choices: tuple | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """A section field for flag --<name>: its default, its `--help` line, its choices, and other
+    spellings the flag is given in (Megatron's `--override-opt_param-scheduler`)."""
+    meta = {"help": help, "choices": choices, "aliases": aliases}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)

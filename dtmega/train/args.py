@@ -87,8 +87,6 @@ NOTED_FLAGS = {
                                       "default)",
     "use_dist_ckpt": "checkpoints are always sharded torch.distributed.checkpoint directories (Megatron's torch_dist "
                      "is DCP too; `dtmega convert` reads Megatron's)",
-    "calculate_per_token_loss": "the loss is always the token-weighted mean over the whole global batch (every "
-                                "micro-batch and data-parallel rank), which is what this flag asks of Megatron",
     "no_create_attention_mask_in_dataloader": "the data loader never builds an attention mask: attention is causal "
                                               "inside the kernels",
     "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
@@ -164,14 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if default not in (None, False, []):
             help_text += f" (default: {default})".replace("%", "%%")
+        names = [flag_of(f.name), *f.metadata.get("aliases", ())]
         if f.name == "dry_run":
-            parser.add_argument(flag_of(f.name), type=int, nargs="?", const=0, metavar="WORLD", help=help_text)
+            parser.add_argument(*names, type=int, nargs="?", const=0, metavar="WORLD", help=help_text)
         elif kind is bool:
-            parser.add_argument(flag_of(f.name), action="store_true", help=help_text)
+            parser.add_argument(*names, action="store_true", help=help_text)
         elif kind is list:
-            parser.add_argument(flag_of(f.name), nargs="+", help=help_text)
+            parser.add_argument(*names, nargs="+", help=help_text)
         else:
-            parser.add_argument(flag_of(f.name), type=kind, choices=f.metadata.get("choices"), help=help_text)
+            parser.add_argument(*names, type=kind, choices=f.metadata.get("choices"), help=help_text)
     for name in NOTED_FLAGS:
         if name in _NOTED_WITH_VALUE:
             parser.add_argument(flag_of(name), help=f"accepted, no effect: {NOTED_FLAGS[name]}")

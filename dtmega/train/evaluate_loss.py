@@ -1,5 +1,6 @@
-"""The validation loss: the token-weighted mean over a dataset's first --eval-iters global
-batches, as the trainer's validation and `dtmega evaluate` compute it."""
+"""The validation loss: the token-weighted mean over --eval-iters global batches of a dataset,
+from a position on (the trainer's validations read on where the last one stopped, as Megatron's
+validation iterator does; `dtmega evaluate` reads from the start)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from dtmega.train.args import TrainArgs
 
 
 def evaluate_loss(pm: dtmega.ParallelModel, dataset, args: TrainArgs, shape, eod: int,
-                  on_batch: Callable[[], None] | None = None) -> float:
-    """Token-weighted mean loss over the first `eval_iters` global batches of `dataset`;
-    `on_batch()` after each (a progress bar's `advance`)."""
+                  on_batch: Callable[[], None] | None = None, start: int = 0) -> float:
+    """Token-weighted mean loss over `eval_iters` global batches of `dataset` from position
+    `start`; `on_batch()` after each (a progress bar's `advance`)."""
     loader = BatchLoader(dataset, shape.global_batch, pm.dp_rank, shape.dp, eod=eod,
                          eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
-                         reset_attention_mask=args.reset_attention_mask)
+                         reset_attention_mask=args.reset_attention_mask, consumed_samples=start,
+                         micro_batch=shape.micro_batch)
     total, tokens = 0.0, 0.0
     pm.eval()
     for _, batch in zip(range(args.eval_iters), loader):

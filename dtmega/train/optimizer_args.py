@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.train.arg_fields import ArgumentError
 from dtmega.train.arg_fields import opt as _opt
-from dtmega.train.schedule import LRSchedule, WeightDecaySchedule
+from dtmega.train.schedule import ParamSchedule
 
 if TYPE_CHECKING:
     import torch
@@ -35,17 +36,24 @@ class OptimizerArgs:
                                            "batch); the schedule's lengths are then in samples too")
     lr: float | None = _opt(None, "peak learning rate")
     min_lr: float = _opt(0.0, "final learning rate")
-    lr_decay_style: str = _opt("linear", "decay after warmup", ("constant", "linear", "cosine", "WSD"))
+    lr_decay_style: str = _opt("linear", "decay after warmup", ("constant", "linear", "cosine", "inverse-square-root",
+                                                                "WSD"))
     lr_warmup_iters: int = _opt(0, "linear warmup steps")
     lr_decay_iters: int | None = _opt(None, "steps until min_lr (default: --train-iters)")
-    lr_wsd_decay_iters: int | None = _opt(None, "WSD: length of the final decay (default: 10 %% of the decay steps)")
-    lr_wsd_decay_style: str = _opt("linear", "WSD decay shape", ("linear", "cosine", "exponential", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = _opt(None, "WSD: length of the final decay (required with WSD, as in Megatron)")
+    lr_wsd_decay_style: str = _opt("exponential", "WSD decay shape", ("exponential", "linear", "cosine", "minus_sqrt"))
     lr_decay_samples: int | None = _opt(None, "with --train-samples: samples until min_lr (default: --train-samples)")
     lr_warmup_samples: int = _opt(0, "with --train-samples: linear warmup samples")
     lr_wsd_decay_samples: int | None = _opt(None, "with --train-samples: WSD's final decay in samples")
     lr_warmup_fraction: float | None = _opt(None, "warmup as a fraction of the decay length (instead of "
                                                   "--lr-warmup-iters/--lr-warmup-samples)")
     lr_warmup_init: float = _opt(0.0, "learning rate the warmup starts from")
+    override_opt_param_scheduler: bool = _opt(False, "on resume, follow the schedule flags of this launch where "
+                                                     "they differ from the checkpoint's (default: refused)",
+                                              aliases=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = _opt(False, "on resume, follow the checkpoint's schedule where this "
+                                                           "launch's flags differ (default: refused)",
+                                                    aliases=("--use-checkpoint-opt_param-scheduler",))
     decoupled_lr: float | None = _opt(None, "a separate learning rate for the embedding and output layer (not "
                                             "supported yet)")
     decoupled_min_lr: float | None = _opt(None, "with --decoupled-lr: its final learning rate (not supported yet)")
@@ -57,6 +65,9 @@ class OptimizerArgs:
     weight_decay_incr_style: str = _opt("constant", "weight decay over the run: constant (--weight-decay), or from "
                                                     "--start-weight-decay to --end-weight-decay",
                                         ("constant", "linear", "cosine"))
+    calculate_per_token_loss: bool = _opt(False, "the gradient of the global batch's token-weighted mean loss "
+                                                 "(default, as Megatron: each micro-batch's own token mean, averaged "
+                                                 "over micro-batches and data-parallel ranks)")
     clip_grad: float = _opt(1.0, "clip the global gradient norm to this (0 = off)")
     no_check_for_nan_in_loss_and_grad: bool = _opt(False, "never stop a run for non-finite losses or gradient "
                                                           "norms (such steps are still skipped)")
@@ -117,31 +128,34 @@ class OptimizerArgs:
                                 "sequences): the run would take no step. Fix: at least one global batch of samples")
         return self.train_samples // global_batch
 
-    def schedules(self, global_batch: int) -> tuple[LRSchedule, WeightDecaySchedule]:
-        """The learning-rate and weight-decay schedules in optimizer steps (sample counts divided by
-        the global batch, so a sample-based schedule equals the iteration-based one it spells)."""
+    def schedules(self, global_batch: int) -> ParamSchedule:
+        """The learning-rate and weight-decay schedule as Megatron's training.py builds it: every
+        length in samples (iterations x the global batch when the run is iteration-based)."""
         if self.train_samples is not None:
-            unit = float(global_batch)
-            decay = (self.lr_decay_samples or self.train_samples) / unit
-            warmup = self.lr_warmup_samples / unit
-            wsd = self.lr_wsd_decay_samples / unit if self.lr_wsd_decay_samples else None
-            length = self.train_samples / unit
+            decay = float(self.lr_decay_samples or self.train_samples)
+            warmup = float(self.lr_warmup_samples)
+            wsd = self.lr_wsd_decay_samples
+            length = float(self.train_samples)
         else:
-            decay = float(self.lr_decay_iters or self.train_iters or 0)
-            warmup, wsd, length = float(self.lr_warmup_iters), self.lr_wsd_decay_iters, float(self.train_iters or 0)
+            decay = float((self.lr_decay_iters or self.train_iters or 0) * global_batch)
+            warmup = float(self.lr_warmup_iters * global_batch)
+            wsd = self.lr_wsd_decay_iters * global_batch if self.lr_wsd_decay_iters is not None else None
+            length = float((self.train_iters or 0) * global_batch)
         if self.lr_warmup_fraction is not None:
             warmup = self.lr_warmup_fraction * decay
-        if self.lr_decay_style != "constant" and decay <= warmup:
-            raise ArgumentError(f"the learning-rate decay ({decay:g} steps) must be longer than its warmup "
-                                f"({warmup:g} steps). Fix: a longer --lr-decay-iters/--lr-decay-samples, or a shorter "
-                                "warmup")
-        lr = LRSchedule(float(self.lr or 0.0), self.min_lr, warmup, decay, self.lr_decay_style, wsd,
-                        self.lr_wsd_decay_style, init_lr=self.lr_warmup_init)
-        if self.weight_decay_incr_style == "constant":
-            value = self.start_weight_decay if self.start_weight_decay is not None else self.weight_decay
-            return lr, WeightDecaySchedule(value, value, length)
-        return lr, WeightDecaySchedule(self.start_weight_decay, self.end_weight_decay, length,  # type: ignore[arg-type]
-                                       self.weight_decay_incr_style)
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                                "each other. Fix: keep one")
+        start_wd = self.start_weight_decay if self.weight_decay_incr_style != "constant" else None
+        end_wd = self.end_weight_decay if self.weight_decay_incr_style != "constant" else None
+        constant = self.start_weight_decay if self.start_weight_decay is not None else self.weight_decay
+        try:
+            return ParamSchedule(float(self.lr_warmup_init), float(self.lr or 0.0), self.min_lr, warmup, decay,
+                                 self.lr_decay_style, wsd, self.lr_wsd_decay_style,
+                                 constant if start_wd is None else start_wd, constant if end_wd is None else end_wd,
+                                 length, self.weight_decay_incr_style)
+        except DtmegaError as error:
+            raise ArgumentError(str(error)) from None
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The optimizer --optimizer names, over `model`'s (sharded) parameters, with Megatron's
@@ -152,6 +166,11 @@ class OptimizerArgs:
             return sgd(model, lr=self.lr or 0.0, weight_decay=self.weight_decay, momentum=self.sgd_momentum)
         return adamw(model, lr=self.lr or 0.0, weight_decay=self.weight_decay, betas=(self.adam_beta1, self.adam_beta2),
                      eps=self.adam_eps)
+
+    @property
+    def loss_averaging(self) -> str:
+        """How a step's gradient averages the loss (`ParallelModel.forward_backward`'s `averaging`)."""
+        return "tokens" if self.calculate_per_token_loss else "microbatches"
 
     @property
     def compute_dtype(self) -> str:

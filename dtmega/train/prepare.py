@@ -21,6 +21,7 @@ import torch
 from dtmega.data.indexed import IndexedDataset
 from dtmega.data.tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
 from dtmega.data.vocab_check import check_data_ids
+from dtmega.kernels.errors import DtmegaError
 from dtmega.models.registry import ModelSpec, model_spec
 from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
@@ -201,6 +202,13 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
         args = dataclasses.replace(args, load=None)
     if args.load:
         config = vocab_from_checkpoint(args.load, spec, config, tokenizer.vocab_size, shape.tp)
+        try:
+            check_resumed_schedule(args, shape.global_batch)
+        except CheckpointError as refusal:
+            if args.dry_run is None:
+                raise
+            # a dry run checks a launch days before it runs (as for --save's owner): said, not refused
+            notes.append(f"today this launch would be refused: {refusal}")
     if args.sft:  # packed chat samples: their header, --seq-length and token ids checked now
         from dtmega.data.sft_dataset import check_sft_file
 
@@ -348,6 +356,24 @@ def check_data_vocab(args: TrainArgs, vocab_size: int) -> float | None:
         found = check_data_ids(prefix, vocab_size)
         entropy = found if entropy is None else entropy
     return entropy
+
+
+def check_resumed_schedule(args: TrainArgs, global_batch: int) -> None:
+    """A resume whose schedule flags differ from the checkpoint's is refused before any process
+    group (Megatron's scheduler check; the trainer applies the same rule when it loads)."""
+    if args.finetune or args.no_load_optim:
+        return  # a fresh schedule, as Megatron's (its scheduler is loaded with the optimizer)
+    from dtmega.train.schedule import resumed_schedule
+
+    saved = read_state(select_checkpoint(args.load, contents=False)[0]).get("schedule")
+    try:
+        resumed_schedule(args.schedules(global_batch), saved, args.override_opt_param_scheduler,
+                         args.use_checkpoint_opt_param_scheduler)
+    except (TypeError, KeyError) as error:  # a state.json edited by hand, or of another version
+        raise CheckpointError(f"--load {args.load}: its recorded learning-rate schedule cannot be read ({error}). "
+                              "Fix: --override-opt_param-scheduler (follow this launch's flags)") from None
+    except DtmegaError as error:
+        raise CheckpointError(f"--load {args.load}: {error}") from None
 
 
 def vocab_from_checkpoint(load: str, spec: ModelSpec, config, tokenizer_vocab: int, tp: int):

@@ -18,11 +18,16 @@ from dtmega.train.arg_fields import ArgumentError
 
 
 def sample_counts(args: Any, global_batch: int) -> dict[str, int]:
-    """Samples each split must provide: the whole training, --eval-iters global batches of
-    validation, and the test split only when asked for by name (--test-data-path), evaluated
-    once at the end as Megatron does. The test part of --split is never built, so a short one
-    never blocks a run."""
-    sizes = {"train": args.total_steps(global_batch) * global_batch, "valid": args.eval_iters * global_batch}
+    """Samples each split is built for, as Megatron's training.py asks its dataset builder
+    (get_train_valid_test_num_samples: the sizes decide each split's epochs, so its order): the
+    whole training (--train-samples, or --train-iters global batches), --eval-iters global batches
+    for each of the train_iters // eval_interval + 1 validations, and the test split only when
+    asked for by name (--test-data-path), evaluated once at the end as Megatron does. The test
+    part of --split is never built, so a short one never blocks a run."""
+    steps = args.total_steps(global_batch)
+    train = args.train_samples if args.train_samples is not None else steps * global_batch
+    validations = steps // args.eval_interval + 1 if args.eval_interval else 1
+    sizes = {"train": train, "valid": validations * args.eval_iters * global_batch}
     if args.test_data_path:
         sizes["test"] = args.eval_iters * global_batch
     return sizes

@@ -51,6 +51,7 @@ from dtmega.train.optim import LossScaler, clip_grads_, grad_norm, params_norm, 
 from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
+from dtmega.train.schedule import resumed_schedule
 from dtmega.train.spiky_loss import SpikyLossCheck, random_state, set_random_state
 from dtmega.train.step_timers import StepTimers
 from dtmega.train.straggler import StragglerLog
@@ -141,13 +142,15 @@ class Trainer:
         elif self.spec.materialize == "meta":
             self.pm.init_weights(seed=args.seed)
         self.optimizer = args.make_optimizer(self.pm.module)
-        self.schedule, self.weight_decay = args.schedules(g)
+        # Megatron's OptimizerParamScheduler: counts the samples of successful updates (schedule.py)
+        self.schedule, self.schedule_samples = args.schedules(g), 0
         self.scaler = None
         if args.fp16:
             static = args.loss_scale is not None
             self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, dynamic=not static,
                                      min_scale=args.min_loss_scale, window=args.loss_scale_window, hysteresis=args.hysteresis)
         self.iteration, consumed, self.loaded = 0, 0, None
+        self.consumed_valid = 0  # validation reads on from where the last one stopped, as Megatron's
         self.run_id = new_run_id()  # written into state.json by rank 0 (save_ownership.py)
         self.resumed_behind_latest = False
         self.hf_files: dict[str, str] = {}  # a Hugging Face source's small files, for --save-hf and export
@@ -173,7 +176,15 @@ class Trainer:
                                     pipeline_group=self.pm.pipeline_group())
             if not args.finetune:
                 self.iteration, consumed = state["iteration"], state["consumed_samples"]
+                self.consumed_valid = int(state.get("consumed_valid_samples", 0))
                 self.run_id = state.get("run_id") or self.run_id  # a resume continues the run it loads
+            if not weights_only:  # Megatron loads its scheduler with the optimizer (a fresh one otherwise)
+                self.schedule, note = resumed_schedule(self.schedule, state.get("schedule"),
+                                                       args.override_opt_param_scheduler,
+                                                       args.use_checkpoint_opt_param_scheduler)
+                self.schedule_samples = int(state.get("schedule_samples", self.iteration * g))
+                if note:
+                    self.console.print(f"[dim]note: {note}[/dim]")
             self.hf_files = state.get("hf_files", {})  # a fine-tune resumed keeps its source's files
             template = self.pm.runtime_state_dict()
             missing = self.pm.load_runtime_state_dict(load_runtime_state(checkpoint, template))
@@ -203,7 +214,7 @@ class Trainer:
             self.datasets["train"], g, self.pm.dp_rank, self.shape.dp, eod=self.tokenizer.eod,
             eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids, consumed_samples=consumed,
             order=CyclicOrder(len(self.datasets["train"]), g, args.seed) if args.dataloader_type == "cyclic" else None,
-            reset_attention_mask=args.reset_attention_mask,
+            reset_attention_mask=args.reset_attention_mask, micro_batch=self.shape.micro_batch,
         )
         self.spikes = SpikyLossCheck() if args.check_for_spiky_loss else None
         self.stragglers = StragglerLog(args.straggler_minmax_count) if args.log_straggler else None
@@ -237,7 +248,8 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         rng = random_state() if self.spikes else None
         with self.timers.phase("forward_backward"):
-            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale,
+                                             averaging=self.args.loss_averaging)
             if self.spikes is not None:
                 loss = self._check_spike(batch, loss, rng, scale)
         with self.timers.phase("grad_norm" if self.timers.level >= 2 else "optimizer"):
@@ -265,14 +277,22 @@ class Trainer:
         if on_device or not overflow:
             if self.args.clip_grad > 0:
                 clip_grads_(params, self.args.clip_grad, norm)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.schedule(self.iteration + 1)
+            for group in self.optimizer.param_groups:  # the schedule at the samples of the updates so far
+                group["lr"] = self.schedule.lr(self.schedule_samples)
                 if all(param.ndim > 1 for param in group["params"]):  # norms and biases never decay (optim._decay_groups)
-                    group["weight_decay"] = self.weight_decay(self.iteration + 1)
+                    group["weight_decay"] = self.schedule.weight_decay(self.schedule_samples)
             self.optimizer.step()
             self.pm.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not bool(overflow):  # a skipped update does not advance the schedule (Megatron's update_successful)
+            self.schedule_samples += self.shape.global_batch
         return loss.detach(), norm, overflow
+
+    @property
+    def logged_lr(self) -> float:
+        """The learning rate Megatron logs for the step just taken: the one its scheduler set after
+        the step (the next step's)."""
+        return self.schedule.lr(self.schedule_samples)
 
     def _check_spike(self, batch, loss: torch.Tensor, rng, scale: float) -> torch.Tensor:
         """--check-for-spiky-loss: a spike re-runs forward and backward once on the same batch
@@ -282,7 +302,8 @@ class Trainer:
         if self.spikes.is_spike(value):
             self.optimizer.zero_grad(set_to_none=True)
             set_random_state(rng)
-            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale)
+            loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale,
+                                             averaging=self.args.loss_averaging)
             spike = self.spikes.record(self.iteration + 1, value, float(loss))
             self.console.print(f"[bold {'yellow' if spike.reproduced else 'red'}]{spike.describe()}[/]")
         self.spikes.accept(float(loss))
@@ -291,6 +312,8 @@ class Trainer:
     def _state(self) -> dict:
         return {
             "iteration": self.iteration, "consumed_samples": self.loader.consumed_samples, "run_id": self.run_id,
+            "consumed_valid_samples": self.consumed_valid, "schedule": self.schedule.state(),
+            "schedule_samples": self.schedule_samples,
             "world_size": self.shape.world, "model": self.spec.name, "model_config": self.spec.config_to_dict(self.config),
             "args": to_toml_dict(self.args), "plan": self.plan.to_toml(),
             # the end-of-document token the run used (a Hugging Face directory's eos_token), so
@@ -375,9 +398,10 @@ class Trainer:
         what = "validation" if split == "valid" else "test evaluation"
         with progress_bar(f"{what} at step {self.iteration}", total=self.args.eval_iters, unit="batches") as bar:
             loss = evaluate_loss(self.pm, self.datasets[split], self.args, self.shape, self.tokenizer.eod,
-                                 on_batch=bar.advance)
+                                 on_batch=bar.advance, start=self.consumed_valid if split == "valid" else 0)
         self._release_memory(after_validation=True)
         if split == "valid":
+            self.consumed_valid += self.args.eval_iters * self.shape.global_batch
             result.validation.append((self.iteration, loss))
         else:
             result.test_loss = loss
@@ -468,7 +492,7 @@ class Trainer:
             skipped = skipped + overflow
             last = self.iteration == self.train_iters
             if args.tensorboard_log_interval and self.iteration % args.tensorboard_log_interval == 0 and self.leader:
-                self.logger.log_scalars({"step": self.iteration, "loss": float(loss), "lr": self.schedule(self.iteration),
+                self.logger.log_scalars({"step": self.iteration, "loss": float(loss), "lr": self.logged_lr,
                                          "grad_norm": float(norm),
                                          **({"loss_scale": self.scaler.scale}
                                             if self.scaler and not args.no_log_loss_scale_to_tensorboard else {})})
@@ -484,7 +508,7 @@ class Trainer:
                 stragglers, straggler_line = self.stragglers.report(window_steps, elapsed) if self.stragglers else ({}, None)
                 self.logger.log({
                     "step": self.iteration, "loss": sum(window_losses) / len(window_losses),
-                    "lr": self.schedule(self.iteration), "grad_norm": float(norm),
+                    "lr": self.logged_lr, "grad_norm": float(norm),
                     "tokens_per_s": tokens / elapsed, "tflops_per_device": tflops,
                     "mfu": tflops * 1e12 / self.peak if math.isfinite(self.peak) else None,
                     "memory_gib": memory_gib(self.device_type), "skipped_steps": int(skipped),

@@ -42,8 +42,13 @@ def sandbox(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("docs")
     for name in ("configs", "examples", "benchmarks"):
         (root / name).symlink_to(ROOT / name)
-    for name, seed in (("data", 1), ("corpus", 1), ("heldout", 2), ("web", 3), ("code", 4)):
-        write_jsonl(root / f"{name}.jsonl", make_texts(300, seed=seed))
+    # the corpora GPU-sized lines are dry-run on are long enough for them: --dry-run checks every
+    # split as the launch does, and the validation part of --split 969,30,1 must hold one sample
+    # (data: 1.3 M tokens, for the README's 32768-token line; web and code: 290 K, for 8192)
+    for name, seed, documents, words in (("data", 1, 9000, (80, 220)), ("corpus", 1, 300, (5, 60)),
+                                         ("heldout", 2, 300, (5, 60)), ("web", 3, 9000, (5, 60)),
+                                         ("code", 4, 9000, (5, 60))):
+        write_jsonl(root / f"{name}.jsonl", make_texts(documents, seed=seed, words=words))
     import importlib.util
 
     kjv = Path(importlib.util.find_spec("bible").submodule_search_locations[0]) / "data" / "kjv.jsonl"

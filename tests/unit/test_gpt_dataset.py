@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dtmega.data.blend import DataConfig, blending_indices, build_datasets, parse_data_path
-from dtmega.data.gpt_dataset import DatasetTooSmallError, GPTDataset, GPTDatasetSpec, split_documents
+from dtmega.data.blend import Blend, DataConfig, blending_indices, build_datasets, parse_blend, parse_data_path
+from dtmega.data.gpt_dataset import DatasetTooSmallError, GPTDataset, GPTDatasetSpec, split_bounds
 from dtmega.data.indexed import IndexedDataset, IndexedDatasetWriter
 from dtmega.data.loader import BatchLoader, sample_to_fields
 
@@ -26,11 +26,13 @@ def corpus(path, documents=50, seed=0):
     return IndexedDataset(path)
 
 
-def test_split_documents_like_megatron():
-    assert split_documents([969, 30, 1], 1000) == [(0, 969), (969, 999), (999, 1000)]
-    assert split_documents([98, 2, 0], 50) == [(0, 49), (49, 50), (50, 50)]
+def test_split_bounds_like_megatron():
+    """Megatron's split matrix: cumulative shares, each end rounded; a part of weight 0 is None."""
+    assert split_bounds([969, 30, 1], 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_bounds([98, 2, 0], 50) == [(0, 49), (49, 50), None]
+    assert split_bounds([99, 1, 0], 30) == [(0, 30), (30, 30), None]  # a part with no sequence: empty, not None
     with pytest.raises(ValueError, match="three non-negative weights"):
-        split_documents([1, 1], 10)
+        split_bounds([1, 1], 10)
 
 
 def test_samples_are_consecutive_windows_of_the_shuffled_stream(tmp_path):
@@ -42,8 +44,7 @@ def test_samples_are_consecutive_windows_of_the_shuffled_stream(tmp_path):
     unshuffled = np.argsort(dataset.index["shuffle"])
     for j in range(len(dataset)):
         assert np.array_equal(dataset[unshuffled[j]], stream[j * 16: j * 16 + 17])
-    epoch = len(data)
-    assert sorted(order[:epoch]) == list(range(epoch))  # every document once per epoch
+    assert sorted(order) == sorted(list(range(len(data))) * dataset.size.epochs)  # every document once per epoch
 
 
 def test_deterministic_by_seed_and_cached_on_disk(tmp_path):
@@ -83,8 +84,10 @@ def test_dataset_smaller_than_one_sample(tmp_path):
 
 def test_parse_data_path_forms_and_errors():
     assert parse_data_path(["a"]) == [(1.0, "a")]
-    assert parse_data_path(["a", "b"]) == [(1.0, "a"), (1.0, "b")]
+    assert parse_data_path(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
     assert parse_data_path(["1", "a", "3", "b"]) == [(0.25, "a"), (0.75, "b")]
+    assert parse_blend(["a", "b"]) == Blend(("a", "b"), None)  # no weights: Megatron blends by the datasets' sizes
+    assert parse_blend(["1", "a", "3", "b"]) == Blend(("a", "b"), (1.0, 3.0))
     with pytest.raises(ValueError, match="mixes weights and paths unevenly"):
         parse_data_path(["0.3", "a", "b"])
     with pytest.raises(ValueError, match="mixes weights and paths unevenly"):
@@ -104,6 +107,18 @@ def test_blends_follow_the_weights(tmp_path):
     config = DataConfig((str(0.25), str(tmp_path / "a"), str(0.75), str(tmp_path / "b")), (90, 10, 0), 8, 5)
     datasets = build_datasets(config, {"train": 200, "valid": 20, "test": 20})
     assert len(datasets["train"]) == 200 and len(datasets["valid"]) == 20 and datasets["test"] is None
+
+
+def test_loader_deals_micro_batches_to_ranks_as_megatrons_sampler(tmp_path):
+    """Megatron's pretraining sampler: each run of micro_batch x dp positions gives rank r its
+    micro_batch positions at r x micro_batch; a rank's micro-batches are every dp-th such slice."""
+    data = corpus(tmp_path / "c")
+    dataset = GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 8, 64, 0))
+    loaders = [BatchLoader(dataset, 8, rank, 2, eod=EOD, micro_batch=2) for rank in range(2)]
+    assert loaders[0].positions() == [0, 1, 4, 5] and loaders[1].positions() == [2, 3, 6, 7]
+    tokens = next(loaders[1])["tokens"]
+    assert np.array_equal(tokens, np.stack([dataset[i][:-1] for i in (2, 3, 6, 7)]))
+    assert loaders[1].positions() == [10, 11, 14, 15]
 
 
 def test_loader_slices_global_batches_by_rank_and_resumes(tmp_path):

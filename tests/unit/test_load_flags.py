@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtmega.kernels.errors import DtmegaError
 from dtmega.train.args import ArgumentError
 from dtmega.train.checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint
 from dtmega.train.trainer import train
@@ -237,3 +238,40 @@ def test_grad_reduce_in_bf16_reduces_gradients_in_bf16():
     args = parse_train_args(["--grad-reduce-in-bf16", "--bf16", "--use-distributed-optimizer"])[0]
     (data,) = [p for p in build_plan(args, run_shape(args, 4), 2).passes if isinstance(p, DataParallel)]
     assert (data.mode, data.param_dtype, data.reduce_dtype) == ("fsdp", "bfloat16", "bfloat16")
+
+
+def _lrs(path) -> list[float]:
+    import json
+
+    return [record["lr"] for record in map(json.loads, path.read_text().splitlines()) if "lr" in record]
+
+
+def test_a_resume_that_changes_the_schedule_is_refused_unless_told_which_to_follow(run, tmp_path):
+    """Megatron's scheduler check: the checkpoint records its schedule; a resume whose flags give
+    another one is refused naming what changed; --override-opt_param-scheduler follows the new
+    flags from the samples already trained, --use-checkpoint-opt_param-scheduler the checkpoint's
+    (which then repeats the uninterrupted run)."""
+    corpus, save, losses = run
+    with pytest.raises(DtmegaError, match=r"--lr: 0.003 in the checkpoint, 0.002 now.*--override-opt_param-scheduler"):
+        _resume(corpus, save, tmp_path, lr=2e-3)
+    kept = _resume(corpus, save, tmp_path / "kept", lr=2e-3, use_checkpoint_opt_param_scheduler=True,
+                   log_file=str(tmp_path / "kept.jsonl"))
+    assert kept.losses == pytest.approx(losses[3:], rel=1e-5)
+    moved = _resume(corpus, save, tmp_path / "moved", lr=2e-3, override_opt_param_scheduler=True,
+                    log_file=str(tmp_path / "moved.jsonl"))
+    from dtmega.train.args import parse_train_args
+
+    schedule = parse_train_args(tiny_args(corpus, train_iters=6, lr=2e-3))[0].schedules(8)
+    assert _lrs(tmp_path / "moved.jsonl") == [schedule.lr(8 * step) for step in (4, 5, 6)]
+    assert moved.losses[0] == pytest.approx(losses[3], rel=1e-5)  # step 4's loss is before its update
+
+
+def test_no_load_optim_starts_the_schedule_afresh_as_megatron(run, tmp_path):
+    """Megatron loads its scheduler with the optimizer: --no-load-optim resumes the step and the
+    data, with the schedule from its start (the warmup's first rate: 0, no update at step 4)."""
+    corpus, save, losses = run
+    _resume(corpus, save, tmp_path, no_load_optim=True, log_file=str(tmp_path / "m.jsonl"))
+    from dtmega.train.args import parse_train_args
+
+    schedule = parse_train_args(tiny_args(corpus, train_iters=6))[0].schedules(8)
+    assert _lrs(tmp_path / "m.jsonl") == [schedule.lr(8 * step) for step in (1, 2, 3)]

@@ -8,19 +8,20 @@ import pytest
 import torch
 
 from dtmega.train.optim import LossScaler, adamw, global_grad_norm
-from dtmega.train.schedule import LRSchedule
+from dtmega.train.schedule import ParamSchedule
 
 
 def test_warmup_then_decay_styles():
-    linear = LRSchedule(1.0, 0.1, warmup_steps=10, decay_steps=110, style="linear")
-    assert linear(5) == 0.5 and linear(10) == 1.0 and math.isclose(linear(60), 0.55) and linear(111) == 0.1
-    cosine = LRSchedule(1.0, 0.0, 0, 100, "cosine")
-    assert math.isclose(cosine(50), 0.5) and math.isclose(cosine(100), 0.0, abs_tol=1e-12)
-    assert LRSchedule(1.0, 0.0, 5, 100, "constant")(80) == 1.0
-    wsd = LRSchedule(1.0, 0.0, 0, 100, "WSD", wsd_decay_steps=20)
-    assert wsd(80) == 1.0 and math.isclose(wsd(90), 0.5) and math.isclose(wsd(100), 0.0, abs_tol=1e-12)
-    with pytest.raises(ValueError, match="must exceed --lr-warmup-iters"):
-        LRSchedule(1.0, 0.0, 100, 50, "cosine")
+    """In samples, as Megatron counts them."""
+    linear = ParamSchedule(0.0, 1.0, 0.1, warmup_steps=10, decay_steps=110, style="linear")
+    assert linear.lr(5) == 0.5 and linear.lr(10) == 1.0 and math.isclose(linear.lr(60), 0.55) and linear.lr(111) == 0.1
+    cosine = ParamSchedule(0.0, 1.0, 0.0, 0, 100, "cosine")
+    assert math.isclose(cosine.lr(50), 0.5) and math.isclose(cosine.lr(100), 0.0, abs_tol=1e-12)
+    assert ParamSchedule(0.0, 1.0, 0.0, 5, 100, "constant").lr(80) == 1.0
+    wsd = ParamSchedule(0.0, 1.0, 0.0, 0, 100, "WSD", wsd_decay_steps=20, wsd_style="linear")
+    assert wsd.lr(80) == 1.0 and math.isclose(wsd.lr(90), 0.5) and math.isclose(wsd.lr(100), 0.0, abs_tol=1e-12)
+    with pytest.raises(ValueError, match="must be longer than its warmup"):
+        ParamSchedule(0.0, 1.0, 0.0, 100, 50, "cosine")
 
 
 def test_adamw_spares_norms_and_biases():

@@ -1,11 +1,9 @@
 """Megatron's run-length and schedule flags: --train-samples and the --lr-*-samples schedule,
---lr-warmup-fraction, --lr-warmup-init, and the weight-decay schedule (--start-weight-decay,
---end-weight-decay, --weight-decay-incr-style), against Megatron's formulas and against the
-iteration-based spelling of the same numbers."""
+--lr-warmup-fraction, --lr-warmup-init, every --lr-decay-style, and the weight-decay schedule
+(--start-weight-decay, --end-weight-decay, --weight-decay-incr-style), against megatron-core's own
+OptimizerParamScheduler and against the iteration-based spelling of the same numbers."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -19,64 +17,92 @@ BASE = ["--lr", "1e-3", "--min-lr", "1e-4", "--global-batch-size", "8"]
 def _schedules(*flags: str):
     args = parse_train_args([*BASE, *flags])[0]
     args.check_schedule()
-    return args.total_steps(8), *args.schedules(8)
+    return args.total_steps(8), args.schedules(8)
 
 
-@pytest.mark.parametrize("style", ["linear", "cosine", "WSD", "constant"])
-def test_a_sample_based_schedule_equals_the_iteration_based_one_for_the_same_numbers(style):
+def megatron_scheduler(**kwargs):
+    """megatron-core's OptimizerParamScheduler over one stand-in parameter group."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Groups:
+        param_groups = [{}]
+
+    return OptimizerParamScheduler(Groups(), **kwargs), Groups.param_groups[0]
+
+
+MEGATRON_LINES = {
+    # dtmega flags -> what training.py's get_optimizer_param_scheduler gives megatron-core (global batch 8)
+    "linear warmup": (["--train-iters", "100", "--lr-decay-iters", "80", "--lr-warmup-iters", "10"],
+                      dict(lr_warmup_steps=80, lr_decay_steps=640, lr_decay_style="linear", wd_incr_steps=800)),
+    "cosine warmup init": (["--train-iters", "100", "--lr-warmup-iters", "7", "--lr-decay-style", "cosine",
+                            "--lr-warmup-init", "2e-4"],
+                           dict(init_lr=2e-4, lr_warmup_steps=56, lr_decay_steps=800, lr_decay_style="cosine",
+                                wd_incr_steps=800)),
+    "WSD": (["--train-iters", "100", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "20", "--lr-warmup-iters",
+             "5"], dict(lr_warmup_steps=40, lr_decay_steps=800, lr_decay_style="WSD", wsd_decay_steps=160,
+                        lr_wsd_decay_style="exponential", wd_incr_steps=800)),
+    "WSD minus_sqrt": (["--train-iters", "100", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "30",
+                        "--lr-wsd-decay-style", "minus_sqrt"],
+                       dict(lr_warmup_steps=0, lr_decay_steps=800, lr_decay_style="WSD", wsd_decay_steps=240,
+                            lr_wsd_decay_style="minus_sqrt", wd_incr_steps=800)),
+    "inverse square root": (["--train-iters", "100", "--lr-warmup-iters", "10", "--lr-decay-style",
+                             "inverse-square-root"],
+                            dict(lr_warmup_steps=80, lr_decay_steps=800, lr_decay_style="inverse-square-root",
+                                 wd_incr_steps=800)),
+    "constant": (["--train-iters", "100", "--lr-warmup-iters", "10", "--lr-decay-style", "constant"],
+                 dict(lr_warmup_steps=80, lr_decay_steps=800, lr_decay_style="constant", wd_incr_steps=800)),
+    "samples, fraction": (["--train-samples", "803", "--lr-decay-samples", "700", "--lr-warmup-fraction", "0.13",
+                           "--lr-decay-style", "cosine"],
+                          dict(lr_warmup_steps=0.13 * 700, lr_decay_steps=700, lr_decay_style="cosine",
+                               wd_incr_steps=803)),
+    "cosine weight decay": (["--train-iters", "100", "--start-weight-decay", "0.0", "--end-weight-decay", "0.2",
+                             "--weight-decay-incr-style", "cosine"],
+                            dict(lr_warmup_steps=0, lr_decay_steps=800, lr_decay_style="linear", start_wd=0.0,
+                                 end_wd=0.2, wd_incr_steps=800, wd_incr_style="cosine")),
+}
+
+
+@pytest.mark.parametrize("name", MEGATRON_LINES)
+def test_the_schedule_is_megatron_cores_to_the_last_bit(name):
+    """Every sample count of the run: dtmega's learning rate and weight decay equal megatron-core's
+    OptimizerParamScheduler built as training.py builds it, stepped by the global batch."""
+    flags, built = MEGATRON_LINES[name]
+    _, ours = _schedules(*flags)
+    wd = {"start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", **built}
+    theirs, group = megatron_scheduler(**{"init_lr": 0.0, "max_lr": 1e-3, "min_lr": 1e-4, **wd})
+    for num_steps in range(0, 900, 8):
+        assert ours.lr(num_steps) == group["lr"], num_steps
+        assert ours.weight_decay(num_steps) == group["weight_decay"], num_steps
+        theirs.step(8)
+
+
+def test_a_sample_based_schedule_equals_the_iteration_based_one_for_the_same_numbers():
     """800 samples of global batch 8 = 100 steps; decay over 640 samples = 80 steps; warmup 80
-    samples = 10 steps; WSD's final decay 160 samples = 20 steps: the same learning rate at
-    every step, to the last bit of a float division."""
-    wsd = ("--lr-wsd-decay-iters", "20") if style == "WSD" else ()
-    wsd_samples = ("--lr-wsd-decay-samples", "160") if style == "WSD" else ()
-    steps, by_iters, _ = _schedules("--train-iters", "100", "--lr-decay-iters", "80", "--lr-warmup-iters", "10",
-                                    "--lr-decay-style", style, *wsd)
-    samples_steps, by_samples, _ = _schedules("--train-samples", "800", "--lr-decay-samples", "640",
-                                              "--lr-warmup-samples", "80", "--lr-decay-style", style, *wsd_samples)
-    assert steps == samples_steps == 100
-    for step in range(1, 101):
-        assert by_samples(step) == pytest.approx(by_iters(step), rel=1e-12, abs=1e-15), step
-    assert by_iters(5) == pytest.approx(1e-3 * 5 / 10)  # warmup from 0
-    if style != "constant":
-        assert by_iters(100) == pytest.approx(1e-4)  # past the decay: min_lr
+    samples = 10 steps: the same schedule."""
+    steps, by_iters = _schedules("--train-iters", "100", "--lr-decay-iters", "80", "--lr-warmup-iters", "10",
+                                 "--lr-decay-style", "cosine")
+    samples_steps, by_samples = _schedules("--train-samples", "800", "--lr-decay-samples", "640",
+                                           "--lr-warmup-samples", "80", "--lr-decay-style", "cosine")
+    assert steps == samples_steps == 100 and by_iters == by_samples
 
 
 def test_train_samples_rounds_down_to_whole_steps_and_decays_over_them_by_default():
-    steps, schedule, _ = _schedules("--train-samples", "803")
+    steps, schedule = _schedules("--train-samples", "803")
     assert steps == 100  # Megatron: train_iters = train_samples // global batch
-    assert schedule.decay_steps == pytest.approx(803 / 8)
+    assert schedule.decay_steps == 803
 
 
-def test_warmup_fraction_and_warmup_init_follow_megatron():
-    _, schedule, _ = _schedules("--train-iters", "100", "--lr-decay-iters", "80", "--lr-warmup-fraction", "0.1",
-                                "--lr-warmup-init", "2e-4")
-    assert schedule.warmup_steps == pytest.approx(8.0)  # a fraction of the decay steps, as Megatron
-    # warmup: init + (max - init) * step / warmup steps
-    for step in (1, 4, 8):
-        assert schedule(step) == pytest.approx(2e-4 + (1e-3 - 2e-4) * step / 8)
-    _, by_samples, _ = _schedules("--train-samples", "800", "--lr-decay-samples", "640", "--lr-warmup-fraction", "0.1")
-    assert by_samples.warmup_steps == pytest.approx(8.0)
+def test_the_first_step_runs_at_the_warmups_start_and_the_log_shows_the_next_rate():
+    """Megatron steps its scheduler after the update: step 1 runs at --lr-warmup-init (0: no
+    update), and the lr a step logs is the one set after it. dtmega set the rate of step k+1
+    before step k (every rate one step early)."""
+    _, schedule = _schedules("--train-iters", "100", "--lr-warmup-iters", "10")
+    assert schedule.lr(0) == 0.0 and schedule.lr(8) == pytest.approx(1e-4)  # step 1's rate, step 1's logged rate
 
 
-@pytest.mark.parametrize("style", ["linear", "cosine"])
-def test_weight_decay_rises_from_start_to_end_over_the_run(style):
-    steps, _, decay = _schedules("--train-iters", "100", "--start-weight-decay", "0.0", "--end-weight-decay", "0.2",
-                                 "--weight-decay-incr-style", style)
-    for step in (1, 25, 50, 75, 100):
-        ratio = step / 100
-        coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1)  # Megatron's get_wd
-        assert decay(step) == pytest.approx(0.2 * coeff)
-    assert decay(101) == 0.2
-    _, _, by_samples = _schedules("--train-samples", "800", "--start-weight-decay", "0.0", "--end-weight-decay",
-                                  "0.2", "--weight-decay-incr-style", style)
-    assert [by_samples(s) for s in range(1, 101)] == pytest.approx([decay(s) for s in range(1, 101)])
-
-
-def test_constant_weight_decay_is_weight_decay_or_the_equal_start_and_end():
-    assert _schedules("--train-iters", "10", "--weight-decay", "0.05")[2](7) == 0.05
-    same = _schedules("--train-iters", "10", "--start-weight-decay", "0.1", "--end-weight-decay", "0.1",
-                      "--weight-decay-incr-style", "constant")[2]
-    assert same(1) == same(10) == 0.1
+def test_wsd_needs_its_decay_length_as_megatron_does():
+    with pytest.raises(ArgumentError, match="--lr-wsd-decay-iters"):
+        _schedules("--train-iters", "100", "--lr-decay-style", "WSD")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -92,6 +118,8 @@ def test_constant_weight_decay_is_weight_decay_or_the_equal_start_and_end():
     (["--train-iters", "10", "--weight-decay-incr-style", "linear"], "needs --start-weight-decay and"),
     (["--train-samples", "4"], "less than one global batch"),
     (["--train-samples", "80", "--lr-warmup-samples", "80"], "must be longer than its warmup"),
+    (["--train-iters", "10", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "contradict each other"),
 ])
 def test_contradicting_schedule_flags_are_refused_naming_them(flags, message):
     with pytest.raises(ArgumentError, match=message):

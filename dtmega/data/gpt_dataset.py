@@ -198,6 +198,11 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.index["shuffle"])
 
+    @property
+    def samples_per_epoch(self) -> int:
+        """Distinct samples before a repeat (one epoch's windows)."""
+        return (self.size.tokens_per_epoch - 1) // self.spec.seq_length
+
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample at position `i`: seq_length + 1 token ids (int64)."""
         order, starts = self.index["order"], self.index["starts"]

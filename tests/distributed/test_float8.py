@@ -216,7 +216,12 @@ def test_fp8_plans_within_fp8_noise_of_one_rank(name, recipe):
         noise = {"loss": relative_error(loss_one, loss_ref), "grad": _worst(grads_one, grads_ref)}
         sharded = {"loss": relative_error(loss_pm, loss_ref), "grad": _worst(grads_pm, grads_ref)}
         assert noise["grad"] > 1e-3, f"FP8 left the gradients unchanged ({noise}): the linears did not run in FP8"
-        assert sharded["loss"] <= 2 * noise["loss"] + 1e-5, (step, sharded, noise)
+        # The plan computes the same FP8 values as one rank (test_fp8_plans_equal_one_rank_in_float64), but
+        # in fp32 its sums run in another order, and an element at an FP8 rounding boundary then rounds the
+        # other way (one FP8 step is 6-12 % of the value): after two updates that moves the loss by up to a
+        # few 1e-5 here (measured 3.6e-5 for TP2+SP tensorwise, whose one-rank run happened to land within
+        # 1.1e-6 of fp32). A wrong plan moves it by 1e-2 or more.
+        assert sharded["loss"] <= 2 * noise["loss"] + 1e-4, (step, sharded, noise)
         assert sharded["grad"] <= 1.25 * noise["grad"] + 0.01, (step, sharded, noise)
 
 

@@ -63,12 +63,16 @@ def test_training_continues_under_another_plan(corpus, twenty_steps, plan):
 
 def test_validation_loss_equals_evaluate_on_one_rank_and_four(corpus, twenty_steps, shared_dir):
     full, save = twenty_steps
-    step, val_loss = full.validation[-1]
-    assert step == 20
+    step, val_loss = full.validation[0]
+    assert step == 10 and [s for s, _ in full.validation] == [10, 20]
+    assert full.validation[1][1] != val_loss  # each validation reads on where the last one stopped (Megatron's)
+    save = save / "iter_0000010"
     from dtmega.train.evaluate import main as evaluate
 
     # No --split/--eval-iters/--global-batch-size: on the run's own data evaluate defaults to the
-    # run's validation settings.
+    # run's validation settings, from the validation data's first sample: the step-10 checkpoint's
+    # evaluation is the run's first validation (the validation part is one epoch, whose order does
+    # not depend on how many samples are asked of it).
     four = evaluate(["--load", str(save), "--data-path", corpus, "--tensor-model-parallel-size", "2"])
     # The same TP2 forward on the same weights, only the data-parallel split of the sum differs.
     assert abs(four - val_loss) / val_loss < 1e-6

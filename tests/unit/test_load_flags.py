@@ -253,7 +253,7 @@ def test_a_resume_that_changes_the_schedule_is_refused_unless_told_which_to_foll
     (which then repeats the uninterrupted run)."""
     corpus, save, losses = run
     with pytest.raises(DtmegaError, match=r"--lr: 0.003 in the checkpoint, 0.002 now.*--override-opt_param-scheduler"):
-        _resume(corpus, save, tmp_path, lr=2e-3)
+        _resume(corpus, save, tmp_path, lr=2e-3, override_opt_param_scheduler=False)
     kept = _resume(corpus, save, tmp_path / "kept", lr=2e-3, use_checkpoint_opt_param_scheduler=True,
                    log_file=str(tmp_path / "kept.jsonl"))
     assert kept.losses == pytest.approx(losses[3:], rel=1e-5)

@@ -11,7 +11,7 @@ NPROC ?= 4
 DEMO := runs/demo
 KJV = $$($(PY) -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('bible').submodule_search_locations[0], 'data', 'kjv.jsonl'))")
 
-.PHONY: train test lint test-portable gpu-check install install-dev clean
+.PHONY: train test test-fast test-distributed lint test-portable gpu-check install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,11 +48,20 @@ train: $(DEMO)/data/kjv_text_document.idx
 		-m dtmega train --config configs/demo.toml
 	$(PY) -m dtmega generate --load $(DEMO)/checkpoints --prompt "And God said" --max-new-tokens 60
 
-# The unit tests, then the distributed suite in one 4-rank torchrun session
-# (tests/distributed_session.py: a rank that dies of a signal has its stacks printed and the
-# unfinished tests rerun once; docs/testing.md).
+# The whole suite (CI): the unit tests (pure and system), then the distributed suite in one
+# 4-rank torchrun session (tests/distributed_session.py: a test that failed fails the run, crash
+# or no crash; a rank that dies of a signal has its stacks printed and the unfinished tests
+# rerun once; docs/testing.md).
 test: lint
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider --durations=30
+	$(PY) tests/distributed_session.py
+
+# The fast lane, between edits: the pure tests only (marked `unit`: nothing launched, no
+# torchrun, no server; tests/unit/conftest.py SYSTEM lists the others).
+test-fast: lint
+	$(PY) -m pytest tests/unit -m unit -q -p no:cacheprovider --durations=15
+
+test-distributed: $(VENV)/.installed-dev
 	$(PY) tests/distributed_session.py
 
 # ruff with the repository's configuration (pyproject.toml [tool.ruff]); the layering test is in tests/unit.

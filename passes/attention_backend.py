@@ -29,6 +29,7 @@ from dtmega.kernels.measured_choice import MeasuredChoice, device_timer
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
+from dtmega.passes.slots import swap_module
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def attention_shape(program: Program) -> AttentionShape | None:
     facts = program.facts
     tp, cp = program.role_size("tensor"), program.role_size("context")
     latent = facts.latent_attention
-    head_dim = facts.dim // facts.n_heads
+    head_dim = facts.head_dim
     qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim if latent else head_dim
     v = latent.v_head_dim if latent else head_dim
     return AttentionShape(workload.micro_batch, workload.seq_len // max(cp, 1), facts.n_heads // tp,
@@ -165,8 +166,7 @@ class AttentionBackend(Pass):
             backend = _backend_of(entry.kernel)
             if backend is None:
                 continue
-            for core in program.modules_at(fqn):
-                _install(core, backend)
+            swap_module(program, fqn, lambda core, backend=backend: BackendCore(core, backend), "AttentionBackend")
 
 
 def _kernel_name(backend: str) -> str:
@@ -181,13 +181,15 @@ def _backend_of(kernel: str | None) -> str | None:
     return None
 
 
-def _install(core: nn.Module, backend: str) -> None:
-    """The core's causal training path through `backend`; decoding and document masks as before."""
-    plain = core.forward
+class BackendCore(nn.Module):
+    """The attention core whose causal training path runs `backend`'s kernel; decoding and
+    document masks go to the core itself."""
 
-    def forward(q, k, v, q_offset=0, documents=None):
+    def __init__(self, inner: nn.Module, backend: str):
+        super().__init__()
+        self.inner, self.backend = inner, backend
+
+    def forward(self, q, k, v, q_offset=0, documents=None):
         if documents is not None or isinstance(q_offset, torch.Tensor) or q_offset:
-            return plain(q, k, v, q_offset=q_offset, documents=documents)
-        return causal_attention(backend, q, k, v)
-
-    core.forward = forward
+            return self.inner(q, k, v, q_offset=q_offset, documents=documents)
+        return causal_attention(self.backend, q, k, v)

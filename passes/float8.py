@@ -147,6 +147,7 @@ class Float8(Pass):
         for fqn, module in program.modules.items():
             if not isinstance(module, nn.Linear):
                 continue
+            _check_plain_linear(fqn, module)
             entry = program.layout[fqn]
             block = next((b for b in blocks if fqn.startswith(f"{b}.")), None)
             reason = None
@@ -264,6 +265,20 @@ def _rank_zeros(program: Program, choice):
         program.note(f"Float8: rank 0 measured {chosen[0]} where this rank measured {choice.chosen}; all take rank 0's")
         choice = type(choice)(chosen[0], choice.seconds, choice.cached)
     return choice
+
+
+def _check_plain_linear(fqn: str, module: nn.Linear) -> None:
+    """PlanError for a Linear whose computation the FP8 GEMM would drop: a subclass with its own
+    forward, or with parameters or submodules beyond weight and bias (a LoRA adapter, say)."""
+    extra = sorted({name for name, _ in module.named_parameters()} - {"weight", "bias"})
+    children = [name for name, _ in module.named_children()]
+    if type(module).forward is nn.Linear.forward and not extra and not children:
+        return
+    what = (f"its class {type(module).__module__}.{type(module).__name__} has a forward of its own"
+            if type(module).forward is not nn.Linear.forward else f"it holds {', '.join(extra + children)}")
+    raise PlanError(f"Float8 would run {fqn} as an FP8 GEMM on its weight and bias, but {what}: that computation "
+                    "would be dropped. Fix: a plain nn.Linear at that site (merge an adapter into its weight first), "
+                    "or a plan without Float8")
 
 
 def _fp8_forward(module: nn.Linear, recipe: Float8Recipe, state, group):

@@ -23,13 +23,14 @@ from dtmega.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from dtmega.kernels.triton_support import triton_available
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
+from dtmega.passes.fused_modules import KNOWN, check_site, fused_module
 from dtmega.passes.fused_ops import FUSED_OPS, LOSS
-from dtmega.passes.fusion_sites import BLOCK_RESIDUALS, FORWARDS, SITES
 from dtmega.passes.hidden_out import OutputOrHiddenParallel, install_hidden_out
 from dtmega.passes.loss import Loss, register_loss
 from dtmega.passes.program import Program
 from dtmega.passes.results import Compilation, PassResult
 from dtmega.passes.runtime import Batch
+from dtmega.passes.slots import swap_module
 from dtmega.passes.tp_styles import _src, register_style_variant
 
 IMPLS = ("auto", "triton", "reference")
@@ -75,16 +76,16 @@ class FuseKernels(Pass):
         if family is None:
             program.facts  # raises the "no family knows this model" error
         wanted = {op.name: getattr(self, op.switch) is not False for op in FUSED_OPS.values() if op.in_blocks}
-        sites = SITES[family.name](program.model) if family.name in SITES else {}
-        if family.name not in SITES and any(wanted.values()):
-            program.note(f"FuseKernels: the {family.name} family declares no fusion sites (dtmega.passes."
-                         "fusion_sites.register_fusion): its norms, MLPs and RoPE run unfused")
+        sites = family.fusion_sites(program.model) if family.fusion_sites is not None else {}
+        if family.fusion_sites is None and any(wanted.values()):
+            program.note(f"FuseKernels: the {family.name} family declares no fusion sites (ModelFamily.fusion_sites): "
+                         "its norms, MLPs and RoPE run unfused")
         count = 0
         for op, fqns in sites.items():
-            supported = family.name in BLOCK_RESIDUALS if op == "rms_norm_residual" else (family.name, op) in FORWARDS
-            if not wanted.get(op) or not supported:
+            if not wanted.get(op):
                 continue
             for fqn in fqns:
+                check_site(op, fqn, program.modules[fqn])  # a module the kernel does not know: refused by name
                 entry = program.layout[fqn]
                 if entry.kernel is None:
                     entry.kernel = f"{op}.{impl}"
@@ -152,19 +153,18 @@ class FuseKernels(Pass):
         return keep
 
     def apply(self, program: Program) -> None:
-        family = program.family.name
+        """Swaps each site's module for the fused one in its slot (passes/slots.py): the model's
+        own forward calls it where it called the original."""
         for fqn, entry in program.layout.modules.items():
             if entry.kernel is None:
                 continue
             op, _, impl = entry.kernel.rpartition(".")
-            for module in program.modules_at(fqn):
-                if op == LOSS:
+            if op == LOSS:
+                for module in program.modules_at(fqn):
                     install_hidden_out(module)  # logits, except hidden states inside the fused loss
-                elif op == "rms_norm_residual":
-                    block = program.module(fqn.rpartition(".")[0]) if fqn.rpartition(".")[0] else None
-                    BLOCK_RESIDUALS[family](block, impl)
-                elif (family, op) in FORWARDS:
-                    module.forward = FORWARDS[(family, op)](module, impl)
+            elif op in KNOWN:
+                swap_module(program, fqn, lambda old, op=op, impl=impl: fused_module(op, old, impl),
+                            f"FuseKernels({op})")
 
 
 def _fused_output_style(entry, axis):

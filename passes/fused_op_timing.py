@@ -50,7 +50,7 @@ def op_shapes(program: Program) -> dict[str, OpShape]:
     tokens = workload.micro_batch * workload.seq_len // max(cp, 1)
     sequence_parallel = any(e.style == "sequence_norm" for e in program.layout.modules.values())
     norm_tokens = tokens // tp if sequence_parallel else tokens
-    head_dim = facts.dim // facts.n_heads
+    head_dim = facts.head_dim
     dtype = workload.dtype
     return {
         "rms_norm": OpShape("rms_norm", norm_tokens, facts.dim, dtype=dtype),

@@ -7,7 +7,7 @@ triton installed; `<name>.reference`, the plain-PyTorch path that runs anywhere)
 whether it runs inside the transformer blocks (then, in blocks compiled on a GPU, it is left
 to inductor unless forced) and whether it saves fewer activations than the unfused ops (the
 cost model's activation formula takes that). Where in a model each op runs is the family's
-(`passes/fusion_sites.py`, `register_fusion`).
+(`ModelFamily.fusion_sites`, passes/fusion_sites.py; the modules it swaps in, passes/fused_modules.py).
 """
 
 from __future__ import annotations

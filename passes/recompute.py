@@ -13,6 +13,7 @@ from dtmega.kernels.recomputed_attention import recomputed_attention
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
+from dtmega.passes.slots import swap_module
 
 
 @dataclass
@@ -78,39 +79,46 @@ class Recompute(Pass):
 
     def apply(self, program: Program) -> None:
         for fqn, entry in program.layout.modules.items():
-            for module in program.modules_at(fqn):
-                if entry.recompute == "full":
+            if entry.recompute == "full":
+                for module in program.modules_at(fqn):
                     checkpoint(module)  # composable: FSDP's hooks re-gather the block's weights in recompute
-                elif entry.recompute == "selective" and entry.kernel == "attention.recomputed":
-                    module.forward = ATTENTION_CORES[_core_key(module)](module)
-                elif entry.recompute == "selective":
-                    checkpoint_forward(module)  # another core (e.g. context-parallel attention)
+            elif entry.recompute == "selective":
+                # the core's slot takes a module that recomputes it: the recomputed-attention op where
+                # the core is plain softmax attention, else the core itself under checkpoint (e.g.
+                # context-parallel attention)
+                recomputed = entry.kernel == "attention.recomputed"
+                swap_module(program, fqn, lambda core: ATTENTION_CORES[_core_key(core)](core) if recomputed
+                            else CheckpointedCore(core), "Recompute(selective)")
 
 
-def _torchtitan_sdpa(module: nn.Module):
-    forward = module.forward
+class RecomputedSDPA(nn.Module):
+    """torchtitan's ScaledDotProductAttention core as the recomputed-attention op (only q, k, v
+    saved); masked, keyword-laden or gradient-free calls go to the core itself."""
 
-    def recomputed(q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
         if attention_masks is not None or kwargs or not torch.is_grad_enabled():
-            return forward(q, k, v, attention_masks=attention_masks, scale=scale, enable_gqa=enable_gqa,
-                           is_causal=is_causal, **kwargs)
+            return self.inner(q, k, v, attention_masks=attention_masks, scale=scale, enable_gqa=enable_gqa,
+                              is_causal=is_causal, **kwargs)
         out = recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal,
                                    scale=scale)
         return out.transpose(1, 2)
 
-    return recomputed
 
-
-# Attention cores whose computation is plain (causal or full) softmax attention: their forward
-# becomes the recomputed-attention op, which works eagerly and inside compiled blocks alike.
-ATTENTION_CORES = {
-    ("torchtitan.models.common.attention", "ScaledDotProductAttention"): _torchtitan_sdpa,
+# Attention cores whose computation is plain (causal or full) softmax attention: the module that
+# runs them as the recomputed-attention op, which works eagerly and inside compiled blocks alike.
+ATTENTION_CORES: dict[tuple[str, str], Callable[[nn.Module], nn.Module]] = {
+    ("torchtitan.models.common.attention", "ScaledDotProductAttention"): RecomputedSDPA,
 }
 
 
-def register_attention_core(module: str, class_name: str, make: Callable[[nn.Module], Callable]) -> None:
-    """Makes selective recompute turn the attention core `module.class_name` into the
-    recomputed-attention op: `make(core)` returns its new forward (a family registers its own)."""
+def register_attention_core(module: str, class_name: str, make: Callable[[nn.Module], nn.Module]) -> None:
+    """Makes selective recompute put the recomputed-attention op in the slot of the attention core
+    `module.class_name`: `make(core)` returns the module that does it (holding the core for the
+    calls it does not recompute; a family registers its own)."""
     ATTENTION_CORES[(module, class_name)] = make
 
 
@@ -118,9 +126,9 @@ def _core_key(module: nn.Module) -> tuple[str, str]:
     return type(module).__module__, type(module).__name__
 
 
-def checkpoint_forward(module: nn.Module) -> None:
-    """Recomputes `module`'s forward in backward by running it under `torch.utils.checkpoint`
-    (non-reentrant), outside any compiled graph.
+class CheckpointedCore(nn.Module):
+    """A core recomputed in backward under `torch.utils.checkpoint` (non-reentrant), outside any
+    compiled graph.
 
     Two torch 2.13 failures shape this. The composable `checkpoint` (hooks around the module)
     inside a compiled block recomputed the attention core eagerly against tensors the compiled
@@ -131,10 +139,13 @@ def checkpoint_forward(module: nn.Module) -> None:
     compiled block runs as graph, attention core (eager, recomputed), graph. The core is one
     SDPA call that compilation could not fuse further, and it holds no parameters, so no
     data-parallel hook needs to run inside the region."""
-    forward = module.forward
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
 
     @torch.compiler.disable
-    def recomputed_forward(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed_forward
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dtmega.passes.accounting import check_parameters_accounted
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
@@ -90,6 +91,11 @@ class TensorParallel(Pass):
             )
         program.record(TensorParallelism(self.axis, size))
         program.note(f"TensorParallel({self.axis}={size}): {len(chosen)} modules sharded")
+
+    def finalize(self, program: Program) -> None:
+        """Every parameter where activations are sharded over the axis (this pass's heads and
+        hidden units, sequence parallelism's positions) is covered by a style: passes/accounting.py."""
+        check_parameters_accounted(program, self.axis, "TensorParallel")
 
     def apply(self, program: Program) -> None:
         count = apply_styles(program, "tensor_parallel", self.axis)

@@ -43,7 +43,11 @@ class Style:
     name: str
     owner: str
     annotate: Callable[[ModuleLayout, nn.Module, str, int, dict[str, Any]], None]
-    build: Callable[[ModuleLayout, str], ParallelStyle]
+    build: Callable[[ModuleLayout, str], ParallelStyle] | None  # None: nothing to materialize
+    # Whether the module's output is sharded over the axis for what its parent does next (a
+    # column-wise linear's heads, a sequence-sharded norm's positions): every parameter under
+    # its parent must then be covered by a style (passes/accounting.py).
+    opens_region: bool = False
 
 
 def _require_divisible(what: str, size: int, axis: str, tp: int, fqn_hint: str) -> None:
@@ -108,6 +112,21 @@ def _annotate_scatter_output(entry, module, axis, size, options):
     entry.outputs[axis] = f"{REPLICATE}->{SEQ}"
 
 
+def _annotate_replicate(entry, module, axis, size, options):
+    # the module's parameters whole on every rank, its activations whole too: said explicitly
+    # (a rule, not an omission) for a module inside a sharded region
+    _set_params(entry, axis, {})
+
+
+def _annotate_head_norm(entry, module, axis, size, options):
+    # a per-head norm (Qwen3's q/k norm) on head-sharded activations [B, S, H, D]: its weight
+    # whole on every rank, its gradient summed over the ranks' heads
+    _set_params(entry, axis, {})
+    dim = shard(int(options.get("dim", 2)))
+    entry.inputs[axis], entry.outputs[axis] = dim, dim
+    entry.options = {**entry.options, "dim": int(options.get("dim", 2))}
+
+
 def _annotate_moe(entry, module, axis, size, options):
     # Routing sees every token of the micro-batch on every TP rank; the experts' outputs are
     # reduced inside (expert_hidden), so the layer's output is whole on every rank.
@@ -155,6 +174,12 @@ def _build_output(entry, axis):
 
 def _build_sequence_norm(entry, axis):
     return SequenceParallel(sequence_dim=1)
+
+
+def _build_head_norm(entry, axis):
+    # torch's SequenceParallel style on the heads dim: the input is this rank's heads, the weight
+    # a replicated DTensor whose gradient autograd sums over the axis, the output local again
+    return SequenceParallel(sequence_dim=int(entry.options.get("dim", 2)), use_local_output=True)
 
 
 def _build_gather_input(entry, axis):
@@ -239,12 +264,14 @@ def _build_torchtitan_embedding(entry, axis):
 STYLES: dict[str, Style] = {
     s.name: s
     for s in (
-        Style("colwise", "tensor_parallel", _annotate_colwise, _build_colwise),
+        Style("colwise", "tensor_parallel", _annotate_colwise, _build_colwise, opens_region=True),
+        Style("replicate", "tensor_parallel", _annotate_replicate, None),
+        Style("head_norm", "tensor_parallel", _annotate_head_norm, _build_head_norm),
         Style("rowwise", "tensor_parallel", _annotate_rowwise, _build_rowwise),
         Style("embedding", "tensor_parallel", _annotate_embedding, _build_embedding),
         Style("torchtitan_embedding", "tensor_parallel", _annotate_embedding, _build_torchtitan_embedding),
         Style("output", "tensor_parallel", _annotate_output, _build_output),
-        Style("sequence_norm", "sequence_parallel", _annotate_sequence_norm, _build_sequence_norm),
+        Style("sequence_norm", "sequence_parallel", _annotate_sequence_norm, _build_sequence_norm, opens_region=True),
         Style("gather_input", "sequence_parallel", _annotate_gather_input, _build_gather_input),
         Style("scatter_output", "sequence_parallel", _annotate_scatter_output, _build_scatter_output),
         Style("moe", "tensor_parallel", _annotate_moe, _build_moe),
@@ -295,7 +322,10 @@ def build_style(entry: ModuleLayout, axis: str) -> ParallelStyle:
     """The ParallelStyle that materializes `entry` on `axis`: its kernel's variant if one is
     registered, else the style's own."""
     variant = VARIANTS.get((entry.style, entry.kernel)) if entry.kernel else None
-    return (variant or STYLES[entry.style].build)(entry, axis)
+    build = variant or STYLES[entry.style].build
+    if build is None:
+        raise PlanError(f"style {entry.style!r} materializes nothing; no ParallelStyle builds it")
+    return build(entry, axis)
 
 
 def apply_styles(program, owner: str, axis: str) -> int:
@@ -306,6 +336,8 @@ def apply_styles(program, owner: str, axis: str) -> int:
     for fqn, entry in program.layout.modules.items():
         if entry.style is None or entry.style not in STYLES or STYLES[entry.style].owner != owner:
             continue
+        if STYLES[entry.style].build is None:
+            continue  # nothing to materialize (e.g. "replicate")
         if axis not in entry.inputs and axis not in entry.outputs and not any(
                 axis in p.placements for p in entry.params.values()):
             continue  # annotated for another axis

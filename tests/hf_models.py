@@ -59,6 +59,29 @@ def save_tiny_mixtral(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def save_tiny_qwen3(directory: Path, seed: int = 0, tie: bool = True) -> Path:
+    """A 2-block Qwen3ForCausalLM: GQA (4 heads / 2 KV) with head_dim 32, so heads x head_dim
+    (128) is not the width (64), tied embeddings (as Qwen3's small sizes), and random norm
+    weights (transformers starts them at one, which would hide a wrong channel order in the
+    q/k norms)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    _tokenizer(directory)
+    return directory
+
+
 def tiny_deepseek_v3_config(**overrides):
     """transformers' DeepseekV3Config with every feature on, small: low-rank queries, YaRN RoPE
     with mscale, 4 groups (top-2), a shared expert, a dense first block, untied output."""

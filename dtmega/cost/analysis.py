@@ -44,7 +44,8 @@ def model_shape_of(program: Program) -> ModelShape:
     return ModelShape(facts.dim, facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.ffn_dim, facts.vocab_size,
                       facts.tied_embeddings, experts, top_k, expert_ffn, moe_layers, shared, capacity,
                       facts.latent_attention, facts.mtp_layers, facts.moe.num_groups if facts.moe else None,
-                      facts.moe.group_topk if facts.moe else None)
+                      facts.moe.group_topk if facts.moe else None,
+                      head_width=0 if facts.head_dim * facts.n_heads == facts.dim else facts.head_dim)
 
 
 def model_shape_of_spec(spec, config=None) -> ModelShape:

@@ -48,6 +48,8 @@ class ModelShape:
     mtp_layers: int = 0  # DeepSeek's multi-token-prediction depths (MLA models)
     groups: int | None = None  # group-limited routing: expert groups, and the best ones a token uses
     group_topk: int | None = None
+    # width of one query/key head when it is not dim / heads (Qwen3, Megatron's --kv-channels); 0: dim / heads
+    head_width: int = 0
 
     @classmethod
     def of(cls, config: LlamaConfig) -> "ModelShape":
@@ -57,13 +59,13 @@ class ModelShape:
         return cls(config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_size,
                    config.tie_embeddings, moe.num_experts if moe else 0, moe.top_k if moe else 0,
                    moe.ffn_dim if moe else 0, moe_layers, moe.shared_expert_ffn_dim if moe else 0,
-                   moe.capacity_factor if moe else None)
+                   moe.capacity_factor if moe else None, head_width=config.kv_channels or 0)
 
     @property
     def head_dim(self) -> int:
         if self.mla is not None:
             return (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim + self.mla.v_head_dim) // 2
-        return self.dim // self.heads
+        return self.head_width or self.dim // self.heads
 
     @property
     def q_dim(self) -> int:
@@ -128,7 +130,8 @@ class ModelShape:
                         first_dense_layers=self.layers - self.moe_layers, shared_expert_ffn_dim=self.shared_ffn,
                         capacity_factor=self.capacity_factor) if self.experts else None
         return LlamaConfig(dim=self.dim, n_layers=self.layers, n_heads=self.heads, n_kv_heads=self.kv_heads,
-                           vocab_size=self.vocab, ffn_dim=self.ffn, tie_embeddings=self.tied, moe=moe)
+                           vocab_size=self.vocab, ffn_dim=self.ffn, tie_embeddings=self.tied, moe=moe,
+                           kv_channels=self.head_width or None)
 
     def total_params(self) -> int:
         """Every parameter (LlamaConfig.num_params)."""

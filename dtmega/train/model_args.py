@@ -44,8 +44,10 @@ class ModelArgs:
                                         ("rope", "learned_absolute", "none"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
     rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
-    kv_channels: int | None = _opt(None, "head dimension (only --hidden-size / --num-attention-heads is supported)")
-    qk_layernorm: bool = _opt(False, "normalize queries and keys per head (not supported yet)")
+    kv_channels: int | None = _opt(None, "width of each attention head (default --hidden-size / --num-attention-heads; "
+                                         "Qwen3: 128)")
+    qk_layernorm: bool = _opt(False, "RMSNorm on each query and key head before RoPE (Qwen3's attention; with "
+                                     "--multi-latent-attention, DeepSeek's latent norms)")
     apply_layernorm_1p: bool = _opt(False, "norm weights stored as (1 + w), zero-centred (not supported yet)")
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")

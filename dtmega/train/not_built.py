@@ -39,26 +39,31 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 
 
 
-def _deepseek(args) -> bool:
-    """Whether the run trains a model of the DeepSeek family (multi-token prediction's home):
-    --model deepseek-*, --multi-latent-attention, or --load-hf of a DeepseekV3ForCausalLM."""
+def _has_multi_token_prediction(args) -> bool:
+    """Whether the run's model family has Megatron's multi-token prediction (dtmega/models/family.py,
+    `Family.multi_token_prediction`): the family of --model, of --load-hf's architecture, or the
+    one Megatron's flags select (--multi-latent-attention: DeepSeek)."""
     import json
     from pathlib import Path
 
+    from dtmega.models import family_for_flags, model_families, model_family
     from dtmega.models.registry import model_spec
 
-    if args.multi_latent_attention:
-        return True
     if args.load_hf:
         try:
-            return json.loads((Path(args.load_hf) / "config.json").read_text()).get("architectures") == [
-                "DeepseekV3ForCausalLM"]
+            named = json.loads((Path(args.load_hf) / "config.json").read_text()).get("architectures") or []
         except (OSError, ValueError):
             return False  # --load-hf's own checks name the problem
+        return any(family.multi_token_prediction for family in model_families()
+                   for architecture in family.hf if len(named) == 1 and named[0] in architecture.names)
+    if args.model is None:
+        return family_for_flags(args).multi_token_prediction
     try:
-        return args.model is not None and model_spec(args.model).family == "dtmega-deepseek"
+        family = model_family(model_spec(args.model).family)
     except KeyError:
         return False
+    return family is not None and family.multi_token_prediction
+
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("GPT blocks (Megatron's sizes without --swiglu)", (), _gpt_blocks,
@@ -86,11 +91,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              _uniform_groups,
              "one checkpoint per group of N blocks is not supported yet (each block is its own unit). Fix: "
              "--recompute-num-layers 1, or --recompute-method block"),
-    NotBuilt("--kv-channels other than --hidden-size / --num-attention-heads", ("--kv-channels", "32"),
-             lambda a: bool(a.kv_channels and a.hidden_size and a.num_attention_heads and not a.multi_latent_attention
-                            and a.kv_channels * a.num_attention_heads != a.hidden_size),
-             "a head dimension other than the width over the heads is not supported yet. Fix: leave --kv-channels out "
-             "(it is then --hidden-size / --num-attention-heads)"),
     NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
              "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
     NotBuilt("--rotary-seq-len-interpolation-factor above 1", ("--rotary-seq-len-interpolation-factor", "2"),
@@ -117,7 +117,8 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "these flags size multi-latent attention (and its YaRN RoPE); the Llama's grouped-query attention has no "
              "latent. Fix: add --multi-latent-attention --qk-layernorm (DeepSeek's attention), or leave them out"),
     NotBuilt("--mtp-num-layers --mtp-loss-scaling-factor without a DeepSeek model", ("--mtp-num-layers", "1"),
-             lambda a: (a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None) and not _deepseek(a),
+             lambda a: (a.mtp_num_layers is not None or a.mtp_loss_scaling_factor is not None)
+             and not _has_multi_token_prediction(a),
              "multi-token prediction is built for the DeepSeek family only. Fix: --model deepseek-v3 (or another "
              "deepseek-* size, or --multi-latent-attention), or leave --mtp-num-layers and --mtp-loss-scaling-factor "
              "out (next-token loss only)"),
@@ -175,10 +176,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "your own script does it meanwhile)"),
     NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
              "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
-    NotBuilt("--qk-layernorm without --multi-latent-attention", ("--qk-layernorm",),
-             lambda a: a.qk_layernorm and not a.multi_latent_attention,
-             "normalizing queries and keys per head is not supported yet (with --multi-latent-attention the flag "
-             "normalizes the latents, which dtmega's MLA does). Fix: leave the flag out"),
     NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),
              lambda a: a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te",
              "Transformer Engine's fused cross entropy is not supported yet. Fix: --cross-entropy-fusion-impl native "

@@ -32,7 +32,6 @@ from dtmega.train.save_ownership import check_save_ownership
 from dtmega.train.setup import (
     RunShape,
     build_plan,
-    model_config,
     padded_vocab,
     plan_notes,
     reject_unsupported,
@@ -81,50 +80,47 @@ SIZE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 
 
 def model_of(args: TrainArgs, tokenizer_vocab: int) -> tuple[ModelSpec, Any]:
-    """(spec, config) of the model the arguments name: dtmega's Llama from Megatron's size flags
-    (or a size preset), or a registered spec of another model with the tokenizer's vocabulary."""
+    """(spec, config) of the model the arguments name: a model Megatron's flags size, of the
+    family they select (dtmega/models/family.py: Llama; Qwen3 with --qk-layernorm; DeepSeek
+    with --multi-latent-attention), or a registered size (`--model`) with the tokenizer's
+    vocabulary and the flags its family still takes."""
+    from dtmega.models import family_for_flags, model_family
+
     if args.load_hf:
         return hf_model_of(args)
-    name = args.model or "llama"
+    flagged = family_for_flags(args)
+    if args.model is None:
+        return model_spec(flagged.megatron.model), flagged.megatron.config(args, tokenizer_vocab)
+    name = args.model
     try:
         spec = model_spec(name)
     except KeyError as error:
         raise ArgumentError(f"--model {name}: {error.args[0]}") from None
-    if args.multi_latent_attention:  # Megatron's MLA flags: dtmega's DeepSeek family, sized by them
-        if args.model:
-            raise ArgumentError(f"--model {name} with --multi-latent-attention: the preset and the flags both size the "
-                                "model. Fix: one of them (--model deepseek-v3 is multi-latent already)")
-        from dtmega.train.mla_args import mla_config
-
-        return model_spec("deepseek-v3"), mla_config(args, padded_vocab(tokenizer_vocab, args))
+    if flagged.megatron.flag and flagged.name != spec.family:
+        raise ArgumentError(f"--model {name} is a {spec.family} model; {flagged.megatron.flag} builds a {flagged.name} "
+                            f"model. Fix: leave --model out (the flags size the model), or leave "
+                            f"{flagged.megatron.flag} out")
+    family = model_family(spec.family)
     if spec.size_flags:
-        return spec, model_config(args, tokenizer_vocab)
+        return spec, (family.megatron if family is not None and family.megatron else flagged.megatron).config(
+            args, tokenizer_vocab)
     given = [f"--{flag.replace('_', '-')}" for flag in SIZE_FLAGS if getattr(args, flag)]
     if given:
         raise ArgumentError(f"--model {name} is a registered {spec.family} model whose sizes come from its spec; "
                             f"{', '.join(given)} cannot change them. Fix: leave them out, or register another size")
-    return spec, _family_flags(spec, spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args)), args)
+    config = spec.with_vocab(spec.config, padded_vocab(tokenizer_vocab, args))
+    return spec, _named_size_flags(spec, config, args, f"--model {name}")
 
 
-def _family_flags(spec: ModelSpec, config: Any, args: TrainArgs) -> Any:
-    """Megatron's flags a registered DeepSeek size still takes: --mtp-num-layers,
-    --mtp-loss-scaling-factor, --moe-router-num-groups and --moe-router-group-topk."""
-    if spec.family != "dtmega-deepseek":
+def _named_size_flags(spec: ModelSpec, config: Any, args: TrainArgs, source: str) -> Any:
+    """The flags a model of fixed sizes (a named size, a Hugging Face checkpoint) still takes from
+    its family (`MegatronSizing.adjust`, e.g. DeepSeek's --mtp-num-layers)."""
+    from dtmega.models import model_family
+
+    family = model_family(spec.family)
+    if family is None or family.megatron is None or family.megatron.adjust is None:
         return config
-    from dtmega.kernels.errors import DtmegaError
-
-    changes: dict[str, Any] = {}
-    if args.mtp_num_layers is not None:
-        changes["mtp_num_layers"] = args.mtp_num_layers
-    if args.mtp_loss_scaling_factor is not None:
-        changes["mtp_loss_scaling_factor"] = args.mtp_loss_scaling_factor
-    try:
-        if (args.moe_router_num_groups, args.moe_router_group_topk) != (None, None):
-            changes["moe"] = dataclasses.replace(config.moe, num_groups=args.moe_router_num_groups,
-                                                 group_topk=args.moe_router_group_topk)
-        return config.replace(**changes) if changes else config
-    except DtmegaError as error:
-        raise ArgumentError(f"--model {spec.name}: {error}") from None
+    return family.megatron.adjust(config, args, source)
 
 
 def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
@@ -153,7 +149,7 @@ def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
         raise ArgumentError(f"--load-hf {args.load_hf} {held} multi-token-prediction layers; --mtp-num-layers "
                             f"{args.mtp_num_layers} would start {'some' if depths is not None else 'them'} from no weights. "
                             "Fix: leave --mtp-num-layers out (the checkpoint's layers are trained)")
-    return spec, _family_flags(spec, config, args)
+    return spec, _named_size_flags(spec, config, args, f"--load-hf {args.load_hf}")
 
 
 def layers_of(spec: ModelSpec, config: Any) -> int:

@@ -69,6 +69,13 @@ class ModelFacts:
     # treats these too (`Program.blocks()`); pipeline splitting keeps them with the output.
     head_modules: tuple[str, ...] = ()
     head_blocks: tuple[str, ...] = ()
+    # Width of one attention head (query/key); 0 = dim / n_heads. Qwen3's and Megatron's
+    # --kv-channels make it independent of the width.
+    head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.dim // max(1, self.n_heads))
 
     @property
     def n_layers(self) -> int:
@@ -118,6 +125,9 @@ class ModelFamily:
     # Run-time hooks the family's own layers need in every step (e.g. dtmega's MoE balancing
     # losses and expert bias), given the applied program; see passes/runtime.py.
     runtime_hooks: Callable[[object], list] | None = None
+    # Where the model's fusable slot modules are, {op: [module FQNs]} (passes/fusion_sites.py):
+    # what FuseKernels may swap for fused kernels. None: only the loss is fused.
+    fusion_sites: Callable[[nn.Module], dict[str, list[str]]] | None = None
 
 
 _FAMILIES: list[ModelFamily] = []

@@ -11,6 +11,7 @@ from dtmega.passes.families.base import (
     is_class,
     register_family,
 )
+from dtmega.passes.fusion_sites import norm_sites
 from dtmega.passes.rules import Rule
 
 
@@ -66,5 +67,6 @@ HF_LLAMA = register_family(
         ),
         logits=_logits,
         documents_by_positions=True,
+        fusion_sites=norm_sites,
     )
 )

@@ -12,6 +12,7 @@ from dtmega.passes.families.base import (
     is_class,
     register_family,
 )
+from dtmega.passes.fusion_sites import norm_sites
 from dtmega.passes.rules import Rule
 
 
@@ -78,5 +79,6 @@ TORCHTITAN_LLAMA3 = register_family(
         position_kwarg="positions",
         document_kwarg="attention_masks",
         document_core=DocumentAttentionCore,
+        fusion_sites=norm_sites,
     )
 )

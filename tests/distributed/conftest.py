@@ -55,7 +55,8 @@ def _record_crashes(rank: int) -> None:
     shows rank 0's console only (--local-ranks-filter 0), so another rank's crash would otherwise
     leave no trace. tests/distributed_session.py (`make test`) prints them when a rank dies."""
     CRASH_DIR.mkdir(parents=True, exist_ok=True)
-    (CRASH_DIR / f"passed-rank{rank}.txt").write_text("")
+    for kind in ("started", "passed", "failed"):  # the runner's record of this rank (_note)
+        (CRASH_DIR / f"{kind}-rank{rank}.txt").write_text("")
     stacks = open(CRASH_DIR / f"rank{rank}.txt", "w")  # noqa: SIM115 (open for the process's life)
     faulthandler.enable(file=stacks, all_threads=True)
 
@@ -63,18 +64,32 @@ def _record_crashes(rank: int) -> None:
 _FAILURES: list[str] = []
 
 
+def _note(kind: str, nodeid: str) -> None:
+    """Appends a test to this rank's CRASH_DIR/<kind>-rank<r>.txt, closed at once so that it
+    survives a native crash: tests/distributed_session.py reads what started, passed and failed
+    on every rank to judge a session that crashed (a failure before the crash fails the run)."""
+    with open(CRASH_DIR / f"{kind}-rank{dist.get_rank()}.txt", "a") as record:
+        record.write(nodeid + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _note("started", nodeid)
+
+
 def pytest_runtest_logreport(report):
     if report.failed:
         _FAILURES.append(report.nodeid)
+        _note("failed", report.nodeid)
     elif report.when == "teardown" and report.nodeid not in _FAILURES:
-        # What tests/distributed_session.py need not rerun should this session crash.
-        with open(CRASH_DIR / f"passed-rank{dist.get_rank()}.txt", "a") as passed:
-            passed.write(report.nodeid + "\n")
+        _note("passed", report.nodeid)  # what tests/distributed_session.py need not rerun after a crash
 
 
 def pytest_collection_modifyitems(config, items):
-    """A rerun after a native crash (tests/distributed_session.py) skips what passed on every
-    rank before it; every rank reads the same file, so the ranks stay in step."""
+    """Marks every test `distributed` (docs/testing.md, "Lanes"). A rerun after a native crash
+    (tests/distributed_session.py) skips what passed on every rank before it; every rank reads
+    the same file, so the ranks stay in step."""
+    for item in items:
+        item.add_marker(pytest.mark.distributed)
     skip_file = os.environ.get("DTMEGA_TEST_SKIP_FINISHED")
     if not skip_file:
         return

@@ -89,9 +89,9 @@ def test_multi_token_prediction_matches_unsharded(name):
     assert float(pm.hook(MTPRuntime).last_loss) > 0
     if "fused" in name:  # the family's fusion sites, MTP's included: MLA's RoPE, latent norms, SwiGLU, residual norms
         fused = {fqn: entry.kernel.rpartition(".")[0] for fqn, entry in pm.layout.modules.items() if entry.kernel}
-        assert fused["layers.0.attention"] == fused["mtp.0.block.attention"] == "rope"
+        assert fused["layers.0.attention.rotary"] == fused["mtp.0.block.attention.rotary"] == "rope"
         assert fused["layers.0.attention.kv_norm"] == fused["mtp.0.enorm"] == "rms_norm"
-        assert fused["layers.0.feed_forward"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
+        assert fused["layers.0.feed_forward.act"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -107,9 +107,9 @@ def test_deepseek_plans_match_unsharded(name):
     assert float(pm.hook(MTPRuntime).last_loss) > 0
     if "fused" in name:  # the family's fusion sites, MTP's included: MLA's RoPE, latent norms, SwiGLU, residual norms
         fused = {fqn: entry.kernel.rpartition(".")[0] for fqn, entry in pm.layout.modules.items() if entry.kernel}
-        assert fused["layers.0.attention"] == fused["mtp.0.block.attention"] == "rope"
+        assert fused["layers.0.attention.rotary"] == fused["mtp.0.block.attention.rotary"] == "rope"
         assert fused["layers.0.attention.kv_norm"] == fused["mtp.0.enorm"] == "rms_norm"
-        assert fused["layers.0.feed_forward"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
+        assert fused["layers.0.feed_forward.act"] == "swiglu" and fused["layers.1.ffn_norm"] == "rms_norm_residual"
 
 
 def test_group_limited_routing_bounds_the_ranks_a_token_reaches():

@@ -80,8 +80,8 @@ def test_fused_kernels_in_compiled_blocks_match_unsharded(tmp_path_factory):
                             [TensorParallel(), SequenceParallel(), FuseKernels(timer=timer, cache=str(cache)),
                              DataParallel("fsdp"), Compile("aot_eager")], workload=Workload(seq_len=32, micro_batch=2))
     kernels = {fqn: entry.kernel for fqn, entry in pm.layout.modules.items()}
-    assert kernels["layers.0.attention_norm"] is None and kernels["layers.0.attention"] is None
-    assert kernels["layers.0.feed_forward"] == "swiglu.reference" and kernels["layers.0.ffn_norm"] == \
+    assert kernels["layers.0.attention_norm"] is None and kernels["layers.0.attention.rotary"] is None
+    assert kernels["layers.0.feed_forward.act"] == "swiglu.reference" and kernels["layers.0.ffn_norm"] == \
         "rms_norm_residual.reference"
     pm.init_weights(seed=23)
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=32))
@@ -93,7 +93,9 @@ def test_other_libraries_models_with_fused_kernels_match_unsharded(build):
     pm = dtmega.parallelize(clone_module(reference), first_copy_mesh(tp=2, dp_shard=2),
                             [TensorParallel(), SequenceParallel(), FuseKernels(), DataParallel("fsdp")])
     kernels = {entry.kernel for entry in pm.layout.modules.values() if entry.kernel}
-    assert {"rms_norm.reference", "swiglu.reference", "cross_entropy.fused_linear.reference"} <= kernels
+    # their norms are swapped for the fused RMSNorm (a module whose parameters and computation the
+    # kernel knows); their MLPs and RoPE are their own code, which no kernel replaces (issue 50)
+    assert kernels == {"rms_norm.reference", "cross_entropy.fused_linear.reference"}
     assert_close_to_reference(compare_training(reference, pm, steps=5, seq_len=16))
 
 

@@ -43,8 +43,8 @@ def test_each_op_keeps_its_kernel_only_where_it_measured_faster(tmp_path):
                         Compile("aot_eager")], dict(tp=2))
     assert kernels(program, "attention_norm") == {None}  # inductor faster: left to the compiled block
     assert kernels(program, "ffn_norm") == {"rms_norm_residual.reference"}  # the kernel faster: kept
-    assert kernels(program, "feed_forward") == {"swiglu.reference"}
-    assert kernels(program, "layers.0.attention") == {None}  # RoPE: inductor
+    assert kernels(program, "feed_forward.act") == {"swiglu.reference"}
+    assert kernels(program, "layers.0.attention.rotary") == {None}  # RoPE: inductor
     assert kernels(program, "output") == {"cross_entropy.fused_linear.reference"}  # the loss is not in a block
     note = next(line for line in program.log if line.startswith("FuseKernels: swiglu"))
     assert "swiglu T256 W" in note and "triton (1000.00 ms; inductor 1500.00)" in note
@@ -64,7 +64,7 @@ def test_forced_ops_are_not_measured_and_eager_blocks_keep_every_kernel(tmp_path
         return TIMES[(op, candidate)]
 
     program = annotate([FuseKernels(rope=True, timer=timer, cache=str(tmp_path / "c.json")), Compile("aot_eager")], {})
-    assert kernels(program, "layers.0.attention") == {"rope.reference"} and "rope" not in calls
+    assert kernels(program, "layers.0.attention.rotary") == {"rope.reference"} and "rope" not in calls
     calls.clear()
     program = annotate([FuseKernels(timer=timer, cache=str(tmp_path / "d.json"))], {})  # not compiled: nothing competes
     assert kernels(program, "attention_norm") == {"rms_norm.reference"} and calls == []

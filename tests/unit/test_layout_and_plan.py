@@ -24,7 +24,7 @@ from dtmega.passes import (
 from dtmega.passes.rules import glob_match
 
 MESH = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
-PLAN = Plan([TensorParallel(rules=[Rule("layers.0.feed_forward.w2", "none")]), SequenceParallel(),
+PLAN = Plan([TensorParallel(rules=[Rule("layers.0.feed_forward.w?", "none")]), SequenceParallel(),
              Recompute("selective", every=2), DataParallel("fsdp", param_dtype="bfloat16")])
 
 
@@ -39,12 +39,22 @@ def test_layout_records_every_decision():
     wq = lay["layers.1.attention.wq"]
     assert wq.style == "colwise" and wq.params["weight"].placements == {"tp": "S(0)", "dp_shard": "S(0)"}
     assert lay["layers.1.attention.wo"].outputs == {"tp": "P->S(1)"}
-    assert lay["layers.0.feed_forward.w2"].style is None  # removed by the user's 'none' rule
+    assert lay["layers.0.feed_forward.w2"].style is None  # removed by the user's 'none' rule (the whole MLP)
     assert lay["layers.1.attention_norm"].inputs == {"tp": "S(1)"}
     assert lay["output"].inputs == {"tp": "S(1)->R"}
     assert lay["layers.1.attention.core"].recompute == "selective"
     assert lay["layers.0.attention.core"].recompute is None
     assert lay["layers.3"].wrap == "fsdp" and str(lay[""].precision) == "param=bf16 reduce=fp32"
+
+
+def test_a_rule_that_leaves_one_linear_of_a_sharded_mlp_whole_is_refused():
+    """Removing w2 alone from TP leaves it whole where w1 and w3 shard the hidden units: each rank
+    would apply it to its own units and update its copy with a partial gradient. The plan is
+    refused naming the parameter (passes/accounting.py); removing the whole MLP is a plan."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name("debug"))
+    with pytest.raises(PlanError, match=r"layers\.0\.feed_forward\.w2\.weight lie\(s\) where activations are sharded"):
+        dtmega.check_plan(model, {"tp": 2}, Plan([TensorParallel(rules=[Rule("layers.0.feed_forward.w2", "none")])]))
 
 
 def test_layout_toml_round_trip_and_diff():
@@ -85,7 +95,7 @@ def test_report_renders_folded_blocks_and_per_rank_bytes():
 
 def test_plan_toml_round_trip(tmp_path):
     text = PLAN.to_toml()
-    assert "TensorParallel" in text and "layers.0.feed_forward.w2" in text
+    assert "TensorParallel" in text and "layers.0.feed_forward.w?" in text
     assert Plan.from_toml(text) == PLAN
     path = tmp_path / "plan.toml"
     PLAN.to_toml(path)

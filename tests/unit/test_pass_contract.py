@@ -142,10 +142,10 @@ def test_compiled_blocks_on_a_gpu_leave_norms_to_the_compiler():
 
     plan = Plan([FuseKernels(impl="triton"), DataParallel(), Compile()])
     layout = dtmega.check_plan(debug_model(), {}, plan)
-    assert layout["norm"].kernel is None and layout["layers.0.feed_forward"].kernel is None
+    assert layout["norm"].kernel is None and layout["layers.0.feed_forward.act"].kernel is None
     assert layout["output"].kernel == "cross_entropy.fused_linear.triton"
     forced = dtmega.check_plan(debug_model(), {}, Plan([FuseKernels(impl="triton", rms_norm=True), DataParallel(),
                                                         Compile()]))
-    assert forced["norm"].kernel == "rms_norm.triton" and forced["layers.0.feed_forward"].kernel is None
+    assert forced["norm"].kernel == "rms_norm.triton" and forced["layers.0.feed_forward.act"].kernel is None
     eager = dtmega.check_plan(debug_model(), {}, Plan([FuseKernels(impl="triton"), DataParallel()]))
-    assert eager["norm"].kernel == "rms_norm.triton" and eager["layers.0.attention"].kernel == "rope.triton"
+    assert eager["norm"].kernel == "rms_norm.triton" and eager["layers.0.attention.rotary"].kernel == "rope.triton"

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import dtmega.models.deepseek.fusion  # noqa: F401  (registers the family's fusion sites)
 import dtmega.models.deepseek.tp_style  # noqa: F401  (registers the "shared_across_heads" style)
 from dtmega.models.deepseek.model import DeepSeek
 from dtmega.models.llama.family import _install_dispatcher, _runtime_hooks
 from dtmega.models.moe import moe_layers
-from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
+from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts
 from dtmega.passes.families.base import LatentAttentionFacts
+from dtmega.passes.fusion_sites import slot_sites
 from dtmega.passes.rules import Rule
 
 
@@ -38,6 +38,7 @@ def _describe(model: DeepSeek) -> ModelFacts:
         family="dtmega-deepseek", n_heads=c.n_heads, n_kv_heads=c.n_heads, vocab_size=c.vocab_size, dim=c.dim,
         ffn_dim=c.ffn_dim, blocks=tuple(f"layers.{name}" for name in model.layers), embedding="tok_embeddings",
         output="output", final_norm="norm", tied_embeddings=c.tie_embeddings, moe=moe, max_positions=c.max_seq_len,
+        head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
         latent_attention=LatentAttentionFacts(c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                               c.v_head_dim),
         mtp_layers=len(model.mtp) if model.mtp is not None else 0,
@@ -65,11 +66,17 @@ BLOCK_TP_RULES = (
     Rule("attention.wkv_b", "colwise"),
     Rule("attention.wo", "rowwise"),
     Rule("attention.rotary_key", "shared_across_heads"),
+    # the latents: computed whole on every rank, before the heads are split
+    Rule("attention.wq_a", "replicate"),
+    Rule("attention.q_norm", "replicate"),
+    Rule("attention.wkv_a", "replicate"),
+    Rule("attention.kv_norm", "replicate"),
     Rule("feed_forward.w1", "colwise"),
     Rule("feed_forward.w3", "colwise"),
     Rule("feed_forward.w2", "rowwise"),
     Rule("feed_forward", "moe", module_type="MoE"),
     Rule("feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+    Rule("feed_forward.router.gate", "replicate"),  # sees every token, whole
     Rule("feed_forward.shared_experts.w1", "colwise"),
     Rule("feed_forward.shared_experts.w3", "colwise"),
     Rule("feed_forward.shared_experts.w2", "rowwise"),
@@ -88,38 +95,46 @@ def _for_blocks(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
                  for block in BLOCKS for rule in rules)
 
 
+def _fusion_sites(model: DeepSeek) -> dict[str, list[str]]:
+    """Every norm (MLA's latent norms and the multi-token-prediction module's included), rotary
+    and SwiGLU slot; each block's ffn_norm takes the residual add with it. The routed experts keep
+    their grouped GEMMs."""
+    depths = len(model.mtp) if model.mtp is not None else 0
+    blocks = [f"layers.{name}" for name in model.layers] + [f"mtp.{i}.block" for i in range(depths)]
+    return slot_sites(model, [f"{block}.ffn_norm" for block in blocks])
+
+
 def _hooks(program) -> list:
     from dtmega.models.deepseek.mtp_runtime import mtp_hooks
 
     return _runtime_hooks(program) + mtp_hooks(program)
 
 
-DTMEGA_DEEPSEEK = register_family(
-    ModelFamily(
-        name="dtmega-deepseek",
-        matches=lambda model: isinstance(model, DeepSeek),
-        describe=_describe,
-        tp_rules=(
-            Rule("tok_embeddings", "embedding"),
-            *_for_blocks(BLOCK_TP_RULES),
-            Rule("output", "output"),
-        ),
-        sp_rules=(
-            *_for_blocks(BLOCK_SP_RULES),
-            Rule("norm", "sequence_norm"),
-            # multi-token prediction's per-position pieces: their weights whole, positions sharded
-            Rule("mtp.*.enorm", "sequence_norm"),
-            Rule("mtp.*.hnorm", "sequence_norm"),
-            Rule("mtp.*.eh_proj", "sequence_norm"),
-            Rule("mtp.*.norm", "sequence_norm"),
-        ),
-        logits=_logits,
-        attention_core="attention.core",
-        document_kwarg="document_ids",
-        install_dispatcher=_install_dispatcher,
-        moe_tensor_parallel=True,
-        runtime_hooks=_hooks,
-        loss_inputs=True,
-        model_inputs=_mtp_inputs,
-    )
+DTMEGA_DEEPSEEK = ModelFamily(
+    name="dtmega-deepseek",
+    matches=lambda model: isinstance(model, DeepSeek),
+    describe=_describe,
+    tp_rules=(
+        Rule("tok_embeddings", "embedding"),
+        *_for_blocks(BLOCK_TP_RULES),
+        Rule("output", "output"),
+    ),
+    sp_rules=(
+        *_for_blocks(BLOCK_SP_RULES),
+        Rule("norm", "sequence_norm"),
+        # multi-token prediction's per-position pieces: their weights whole, positions sharded
+        Rule("mtp.*.enorm", "sequence_norm"),
+        Rule("mtp.*.hnorm", "sequence_norm"),
+        Rule("mtp.*.eh_proj", "sequence_norm"),
+        Rule("mtp.*.norm", "sequence_norm"),
+    ),
+    logits=_logits,
+    attention_core="attention.core",
+    document_kwarg="document_ids",
+    install_dispatcher=_install_dispatcher,
+    moe_tensor_parallel=True,
+    runtime_hooks=_hooks,
+    loss_inputs=True,
+    model_inputs=_mtp_inputs,
+    fusion_sites=_fusion_sites,
 )

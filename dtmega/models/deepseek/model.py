@@ -18,11 +18,10 @@ from dtmega.kernels.cross_entropy import cross_entropy_context, per_token_cross_
 from dtmega.models.decoder import Decoder
 from dtmega.models.deepseek.config import DeepSeekConfig
 from dtmega.models.deepseek.rope import deepseek_rope_cache
-from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import KVCache, LayerCache
-from dtmega.models.llama.model import CoreAttention
-from dtmega.models.moe import MoE, _AttachLoss
-from dtmega.models.rope import apply_rope
+from dtmega.models.llama.model import CoreAttention, TransformerBlock
+from dtmega.models.moe import _AttachLoss
+from dtmega.models.slots import RMSNorm, Rotary
 from dtmega.passes.hidden_out import returns_logits
 
 
@@ -59,20 +58,15 @@ class MultiLatentAttention(nn.Module):
             self.wq = nn.Linear(c.dim, c.n_heads * c.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps)
+            self.q_norm = RMSNorm(c.q_lora_rank, eps=c.norm_eps)
             self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
+        self.rotary = Rotary()  # RoPE on the queries' rotary channels [B, S, H, rope] and the one rotary key
         self.rotary_key = SharedAcrossHeads()
         self.core = CoreAttention()
-
-    def rotate(self, q_rot: torch.Tensor, k_rot: torch.Tensor, rope: torch.Tensor,
-               decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on the queries' rotary channels [B, S, H, rope] and the shared rotary key
-        [B, S, 1, rope] (FuseKernels puts both in one kernel launch)."""
-        return apply_rope(q_rot, rope), apply_rope(k_rot, rope)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "wq"):
@@ -86,7 +80,7 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.wkv_a(x).split([self.latent, self.rope], dim=-1)
         latent = self.kv_norm(latent)
-        q_rot, k_rot = self.rotate(q_rot, k_rot.unsqueeze(2), rope, decoding=cache is not None)
+        q_rot, k_rot = self.rotary(q_rot, k_rot.unsqueeze(2), rope)
         k_rot = self.rotary_key(k_rot)
         if self.rope_factor != 1.0:
             q_rot, k_rot = q_rot * self.rope_factor, k_rot * self.rope_factor
@@ -110,23 +104,11 @@ class MultiLatentAttention(nn.Module):
         return self.wo(out.reshape(batch, seq, -1))
 
 
-class DeepSeekBlock(nn.Module):
-    """Pre-norm residual block: MLA, then a dense SwiGLU (the first blocks) or the MoE."""
+class DeepSeekBlock(TransformerBlock):
+    """The Llama's pre-norm residual block with MLA for attention, then a dense SwiGLU (the first
+    blocks) or the MoE."""
 
-    def __init__(self, config: DeepSeekConfig, index: int = 0):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = MultiLatentAttention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        if config.moe is not None and config.moe.is_moe_layer(index):
-            self.feed_forward: nn.Module = MoE(config.dim, config.moe)
-        else:
-            self.feed_forward = FeedForward(config.dim, config.ffn_dim)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
-                documents=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+    attention_class = MultiLatentAttention
 
 
 class MultiTokenPrediction(nn.Module):
@@ -139,11 +121,11 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, config: DeepSeekConfig):
         super().__init__()
-        self.enorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.hnorm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.enorm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.hnorm = RMSNorm(config.dim, eps=config.norm_eps)
         self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
         self.block = DeepSeekBlock(config, config.n_layers)
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor, documents=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
@@ -183,7 +165,7 @@ class DeepSeek(Decoder):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): DeepSeekBlock(config, i) for i in range(config.n_layers)})
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

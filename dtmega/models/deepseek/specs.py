@@ -7,7 +7,7 @@ import dataclasses
 from dtmega.models.deepseek.config import NAMED_CONFIGS, DeepSeekConfig, YarnScaling
 from dtmega.models.deepseek.model import DeepSeek
 from dtmega.models.moe_config import MoEConfig
-from dtmega.models.registry import ModelSpec, register_model
+from dtmega.models.registry import ModelSpec
 
 
 def deepseek_flops_per_token(config: DeepSeekConfig, seq_length: int) -> float:
@@ -51,5 +51,4 @@ def deepseek_spec(name: str, config: DeepSeekConfig) -> ModelSpec:
     )
 
 
-for _name, _config in NAMED_CONFIGS.items():
-    register_model(deepseek_spec(_name, _config))
+DEEPSEEK_SIZES: tuple[ModelSpec, ...] = tuple(deepseek_spec(name, config) for name, config in NAMED_CONFIGS.items())

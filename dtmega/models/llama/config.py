@@ -36,18 +36,24 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     moe: MoEConfig | None = None  # mixture-of-experts feed-forwards (None: every block dense)
+    # Per-head RMSNorm on queries and keys before RoPE (Qwen3; Megatron's --qk-layernorm)
+    qk_norm: bool = False
+    # Width of one attention head when it is not dim / n_heads (Qwen3; Megatron's --kv-channels)
+    kv_channels: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dim % self.n_heads:
+        if self.kv_channels is None and self.dim % self.n_heads:
             problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            problems.append(f"kv_channels must be positive, got {self.kv_channels}")
         if self.n_heads % self.n_kv_heads:
             problems.append(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} "
                 "(every query group needs the same number of heads)"
             )
-        if (self.dim // self.n_heads) % 2:
-            problems.append(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -56,8 +62,8 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
+        """Width of one attention head: kv_channels, else dim / n_heads."""
+        return self.kv_channels if self.kv_channels is not None else self.dim // max(1, self.n_heads)
 
     def replace(self, **changes) -> "LlamaConfig":
         """A copy with some fields changed (configs are frozen so plans can hash them)."""
@@ -66,7 +72,7 @@ class LlamaConfig:
     def num_params(self) -> int:
         """Exact parameter count, computed from the shapes alone (no model is built)."""
         hd = self.head_dim
-        attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+        attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2 + (2 * hd if self.qk_norm else 0)
         layers = 0
         for index in range(self.n_layers):
             if self.moe is not None and self.moe.is_moe_layer(index):

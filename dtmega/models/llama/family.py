@@ -6,44 +6,46 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import dtmega.models.llama.fusion  # noqa: F401  (registers the family's fusion sites)
 from dtmega.kernels.recomputed_attention import recomputed_attention
 from dtmega.models.llama.model import Llama
 from dtmega.models.moe import MoE, moe_layers
-from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts, register_family
+from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts
+from dtmega.passes.fusion_sites import slot_sites
 from dtmega.passes.recompute import register_attention_core
 from dtmega.passes.rules import Rule
 
 
-def _recomputed_core(module: nn.Module):
-    """The attention core's forward as the recomputed-attention op (selective recompute)."""
-    forward = module.forward
+class RecomputedCoreAttention(nn.Module):
+    """dtmega's attention core as the recomputed-attention op (selective recompute: only q, k, v
+    kept); packed documents recompute the masked core under checkpoint; decoding with a KV cache,
+    or no gradient, runs the core itself."""
 
-    def recomputed(q, k, v, q_offset: int | torch.Tensor = 0, documents=None):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, q, k, v, q_offset: int | torch.Tensor = 0, documents=None):
         if documents is not None:  # packed documents: the masked attention recomputed in backward
-            return _checkpointed_documents(forward, q, k, v, documents)
-        # decoding with a KV cache: nothing to recompute
+            return _checkpointed_documents(self.inner, q, k, v, documents)
         if isinstance(q_offset, torch.Tensor) or q_offset or not torch.is_grad_enabled():
-            return forward(q, k, v, q_offset=q_offset)
+            return self.inner(q, k, v, q_offset=q_offset)
         width = v.shape[-1]
         if width != q.shape[-1]:  # MLA's narrower values: zero-padded to the fused kernel's one head size
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
         out = recomputed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         return out[..., :width]
 
-    return recomputed
-
 
 @torch.compiler.disable
-def _checkpointed_documents(forward, q, k, v, documents):
+def _checkpointed_documents(core, q, k, v, documents):
     """The document-masked attention core under torch.utils.checkpoint: only q, k, v (and the
-    mask) kept; outside any compiled graph, as passes/recompute.py's checkpoint_forward explains."""
+    mask) kept; outside any compiled graph, as passes/recompute.py's CheckpointedCore explains."""
     if not torch.is_grad_enabled():
-        return forward(q, k, v, documents=documents)
-    return checkpoint(forward, q, k, v, documents=documents, use_reentrant=False)
+        return core(q, k, v, documents=documents)
+    return checkpoint(core, q, k, v, documents=documents, use_reentrant=False)
 
 
-def _describe(model: Llama) -> ModelFacts:
+def _describe(model: Llama, family: str = "dtmega-llama") -> ModelFacts:
     c = model.config
     layers = tuple(name for name, _ in moe_layers(model))
     moe = None
@@ -54,8 +56,9 @@ def _describe(model: Llama) -> ModelFacts:
             capacity_factor=c.moe.capacity_factor, num_groups=c.moe.num_groups, group_topk=c.moe.group_topk,
         )
     return ModelFacts(
-        family="dtmega-llama",
+        family=family,
         n_heads=c.n_heads,
+        head_dim=c.head_dim,
         n_kv_heads=c.n_kv_heads,
         vocab_size=c.vocab_size,
         dim=c.dim,
@@ -83,22 +86,31 @@ def _runtime_hooks(program) -> list:
     return moe_hooks(program)
 
 
+def _fusion_sites(model: Llama) -> dict[str, list[str]]:
+    """Every norm, rotary and SwiGLU slot; each block's ffn_norm takes the residual add with it."""
+    return slot_sites(model, [f"layers.{name}.ffn_norm" for name in model.layers])
+
+
 def _install_dispatcher(moe: nn.Module, dispatcher) -> None:
     assert isinstance(moe, MoE)
     moe.dispatcher = dispatcher
 
 
-DTMEGA_LLAMA = register_family(
-    ModelFamily(
-        name="dtmega-llama",
-        matches=lambda model: isinstance(model, Llama),
-        describe=_describe,
+def decoder_passes_family(name: str, model_class: type[Llama]) -> ModelFamily:
+    """What the passes know of dtmega's Llama decoder and of a family built on it (Qwen3): its
+    facts, TP/SP rules (the q/k-norm slots included), attention core, fusion sites and hooks."""
+    return ModelFamily(
+        name=name,
+        matches=lambda model: isinstance(model, model_class),
+        describe=lambda model: _describe(model, name),
         tp_rules=(
             Rule("tok_embeddings", "embedding"),
             Rule("layers.*.attention.wq", "colwise"),
             Rule("layers.*.attention.wk", "colwise"),
             Rule("layers.*.attention.wv", "colwise"),
             Rule("layers.*.attention.wo", "rowwise"),
+            Rule("layers.*.attention.q_norm", "head_norm"),  # per-head norms on this rank's heads (qk_norm)
+            Rule("layers.*.attention.k_norm", "head_norm"),
             Rule("layers.*.feed_forward.w1", "colwise"),
             Rule("layers.*.feed_forward.w3", "colwise"),
             Rule("layers.*.feed_forward.w2", "rowwise"),
@@ -106,6 +118,7 @@ DTMEGA_LLAMA = register_family(
             # tensor parallelism = TP), shared experts as a dense MLP, router replicated.
             Rule("layers.*.feed_forward", "moe", module_type="MoE"),
             Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+            Rule("layers.*.feed_forward.router.gate", "replicate"),  # sees every token, whole
             Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
             Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
             Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
@@ -124,6 +137,9 @@ DTMEGA_LLAMA = register_family(
         install_dispatcher=_install_dispatcher,
         moe_tensor_parallel=True,
         runtime_hooks=_runtime_hooks,
+        fusion_sites=_fusion_sites,
     )
-)
-register_attention_core("dtmega.models.llama.model", "CoreAttention", _recomputed_core)
+
+
+DTMEGA_LLAMA = decoder_passes_family("dtmega-llama", Llama)
+register_attention_core("dtmega.models.llama.model", "CoreAttention", RecomputedCoreAttention)

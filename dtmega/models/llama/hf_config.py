@@ -56,10 +56,22 @@ def llama_config_from_hf(config: dict, source: str = "config.json") -> LlamaConf
     if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
         raise _unsupported(source, "architectures", architectures,
                            f"dtmega reads {' and '.join(ARCHITECTURES)}. Fix: convert a model of those architectures")
+    moe = None
+    if architectures[0] == "MixtralForCausalLM":
+        moe = MoEConfig(num_experts=int(config["num_local_experts"]), top_k=int(config["num_experts_per_tok"]),
+                        ffn_dim=config["intermediate_size"],
+                        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.01)))
+    return decoder_config_from_hf(config, source).replace(moe=moe)
+
+
+def decoder_config_from_hf(config: dict, source: str = "config.json") -> LlamaConfig:
+    """The LlamaConfig of the fields every Llama-like Hugging Face decoder shares (sizes, norm,
+    RoPE, tying), each field that would change the computation checked; the caller checks the
+    architecture and adds what is its own (Mixtral's experts, Qwen3's q/k norms)."""
     for field, fine in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(field, fine) != fine:
             raise _unsupported(source, field, config[field], f"dtmega's Llama has {field} = {fine!r}")
-    if config.get("sliding_window") is not None:
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
         raise _unsupported(source, "sliding_window", config["sliding_window"],
                            "dtmega's attention is full causal. Fix: a config with sliding_window null")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -67,29 +79,28 @@ def llama_config_from_hf(config: dict, source: str = "config.json") -> LlamaConf
             raise HFFormatError(f"{source}: {field} is missing or not an integer ({config.get(field)!r})")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim * heads != config["hidden_size"]:
-        raise _unsupported(source, "head_dim", head_dim,
-                           f"dtmega's Llama has head_dim = hidden_size / num_attention_heads = "
-                           f"{config['hidden_size']} / {heads}")
     theta, scaling = _rope(config, source)
-    moe = None
-    if architectures[0] == "MixtralForCausalLM":
-        moe = MoEConfig(num_experts=int(config["num_local_experts"]), top_k=int(config["num_experts_per_tok"]),
-                        ffn_dim=config["intermediate_size"],
-                        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.01)))
-    return LlamaConfig(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
-        ffn_dim=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, rope_scaling=scaling, max_seq_len=int(config.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        init_std=float(config.get("initializer_range", 0.02)), moe=moe,
-    )
+    try:
+        return LlamaConfig(
+            dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
+            ffn_dim=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling, max_seq_len=int(config.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            init_std=float(config.get("initializer_range", 0.02)),
+            kv_channels=None if head_dim * heads == config["hidden_size"] else head_dim,
+        )
+    except (ValueError, DtmegaError) as error:
+        raise HFFormatError(f"{source}: {error}") from None
 
 
 def hf_config_from_llama(config: LlamaConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """A `config.json` for `config`: `base` (the source model's config, when known) with every
     field dtmega owns set from `config`; transformers 5's `rope_parameters` form."""
+    if config.qk_norm:
+        raise HFFormatError("this Llama normalizes queries and keys per head (qk_norm), which LlamaForCausalLM has no "
+                            "weights for; Hugging Face's Qwen3ForCausalLM has them (dtmega's Qwen3 family, "
+                            "dtmega.models.qwen3, writes it)")
     moe = config.moe
     if moe is not None and (moe.shared_expert_ffn_dim or moe.first_dense_layers or moe.layer_freq != 1
                             or moe.score_func != "softmax" or moe.expert_bias or moe.ffn_dim != config.ffn_dim):

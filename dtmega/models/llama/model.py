@@ -17,7 +17,8 @@ from dtmega.models.feed_forward import FeedForward
 from dtmega.models.kv_cache import LayerCache
 from dtmega.models.llama.config import LlamaConfig
 from dtmega.models.moe import MoE
-from dtmega.models.rope import apply_rope, rope_cache
+from dtmega.models.rope import rope_cache
+from dtmega.models.slots import RMSNorm, Rotary
 
 
 class CoreAttention(nn.Module):
@@ -53,7 +54,12 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings."""
+    """Grouped-query attention with rotary embeddings, and per-head RMSNorm on queries and keys
+    before RoPE where the config asks (`qk_norm`: Qwen3's, Megatron's --qk-layernorm).
+
+    Slots (modules the forward calls, which passes swap, never this forward): `q_norm` and
+    `k_norm` (None without qk_norm), `rotary` (RoPE on q and k together), `core` (the softmax
+    attention)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -62,13 +68,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.rotary = Rotary()
         self.core = CoreAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
                 documents=None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, rope)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if documents is not None:
             out = self.core(q, k, v, documents=documents)
@@ -82,13 +94,19 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention then MLP (a mixture of experts on MoE layers)."""
+    """Pre-norm residual block: attention then MLP (a mixture of experts on MoE layers).
 
-    def __init__(self, config: LlamaConfig, index: int = 0):
+    Slots: `attention_norm`, `attention`, `ffn_norm` (which also does the residual add before it:
+    `add_then_norm`), `feed_forward`. A family with another attention passes its class
+    (`attention_class`, DeepSeek's MLA)."""
+
+    attention_class: type[nn.Module] = Attention
+
+    def __init__(self, config, index: int = 0):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = self.attention_class(config)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.moe is not None and config.moe.is_moe_layer(index):
             self.feed_forward: nn.Module = MoE(config.dim, config.moe)
         else:
@@ -97,10 +115,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None,
                 documents=None) -> torch.Tensor:
         if documents is None:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache)
+            attended = self.attention(self.attention_norm(x), rope, cache=cache)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+            attended = self.attention(self.attention_norm(x), rope, cache=cache, documents=documents)
+        normed, h = self.ffn_norm.add_then_norm(x, attended)
+        return h + self.feed_forward(normed)
 
 
 class Llama(Decoder):
@@ -111,7 +130,7 @@ class Llama(Decoder):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

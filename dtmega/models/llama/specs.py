@@ -7,17 +7,18 @@ import dataclasses
 from dtmega.models.llama.config import NAMED_CONFIGS, LlamaConfig, RopeScaling
 from dtmega.models.llama.model import Llama
 from dtmega.models.moe_config import MoEConfig
-from dtmega.models.registry import ModelSpec, register_model
+from dtmega.models.registry import ModelSpec
 
 
 def llama_flops_per_token(config: LlamaConfig, seq_length: int) -> float:
     """Model FLOPs per trained token (forward + backward, recompute not counted): 6 x the
     non-embedding parameters (output layer included) + the attention scores and values,
-    12 x layers x dim x seq (PaLM's accounting). The input lookup costs no FLOPs; a tied matrix
+    12 x layers x heads x head_dim x seq (PaLM's accounting; heads x head_dim = dim unless
+    the head width is set apart, as Qwen3's). The input lookup costs no FLOPs; a tied matrix
     still does the output projection. A token passes through its top-k experts only."""
     embedding = config.vocab_size * config.dim
     dense = config.num_active_params() - (0 if config.tie_embeddings else embedding)
-    return 6.0 * dense + 12.0 * config.n_layers * config.dim * seq_length
+    return 6.0 * dense + 12.0 * config.n_layers * config.n_heads * config.head_dim * seq_length
 
 
 def llama_config_to_dict(config: LlamaConfig) -> dict:
@@ -35,18 +36,21 @@ def llama_config_from_dict(data: dict) -> LlamaConfig:
     return LlamaConfig(**data)
 
 
-def llama_spec(name: str, config: LlamaConfig) -> ModelSpec:
-    """The spec of one dtmega Llama size (Megatron's size flags describe it)."""
+def llama_spec(name: str, config: LlamaConfig, *, family: str = "dtmega-llama", build=Llama,
+               size_flags: bool = True, title: str = "dtmega Llama") -> ModelSpec:
+    """The spec of one size of dtmega's Llama decoder (Megatron's size flags describe it), or of
+    a family built on it (`family`, `build`: Qwen3)."""
     return ModelSpec(
-        name=name, family="dtmega-llama", config=config, build=Llama, flops_per_token=llama_flops_per_token,
+        name=name, family=family, config=config, build=build, flops_per_token=llama_flops_per_token,
         with_vocab=lambda c, vocab: c.replace(vocab_size=vocab), config_to_dict=llama_config_to_dict,
-        config_from_dict=llama_config_from_dict, materialize="meta", size_flags=True,
-        description=f"dtmega Llama, {config.num_params() / 1e9:.3g} B parameters",
+        config_from_dict=llama_config_from_dict, materialize="meta", size_flags=size_flags,
+        description=f"{title}, {config.num_params() / 1e9:.3g} B parameters",
     )
 
 
-for _name, _config in NAMED_CONFIGS.items():
-    register_model(llama_spec(_name, _config))
-
-# Checkpoints written before model specs existed name no model: they are dtmega Llamas.
-register_model(dataclasses.replace(llama_spec("llama", NAMED_CONFIGS["debug"]), description="dtmega Llama (any size)"))
+# Every named size, and "llama": the name checkpoints written before model specs existed carry
+# (and a model sized by Megatron's flags records), any size.
+LLAMA_SIZES: tuple[ModelSpec, ...] = (
+    *(llama_spec(name, config) for name, config in NAMED_CONFIGS.items()),
+    dataclasses.replace(llama_spec("llama", NAMED_CONFIGS["debug"]), description="dtmega Llama (any size)"),
+)

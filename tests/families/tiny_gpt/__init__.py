@@ -1,14 +1,15 @@
 """A model family of one's own, registered from a folder outside the package: its model
-(model.py) and, here, what the compiler and the trainer need to know of it: the family (facts,
-tensor- and sequence-parallel rules) and the named model the trainer and `dtmega plan` build."""
+(model.py) and, here, what the compiler and the trainer need to know of it, in one `Family`
+registered once: the passes' family (facts, tensor- and sequence-parallel rules) and the named
+model the trainer and `dtmega plan` build (docs/adding-a-model.md)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dtmega.models import ModelSpec, register_model
-from dtmega.passes import ModelFacts, ModelFamily, Rule, register_family
+from dtmega.models import Family, ModelSpec, register_model_family
+from dtmega.passes import ModelFacts, ModelFamily, Rule
 from tests.families.tiny_gpt.model import TinyGPT, TinyGPTConfig
 
 
@@ -23,7 +24,7 @@ def logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | 
     return model(tokens)  # no position encoding: positions are only the causal order
 
 
-register_family(ModelFamily(
+PASSES = ModelFamily(
     name="tiny-gpt",
     matches=lambda model: type(model).__name__ == "TinyGPT",
     describe=describe,
@@ -35,7 +36,7 @@ register_family(ModelFamily(
               Rule("ln_f", "sequence_norm"), Rule("blocks.*.attn", "gather_input", options={"args": 1}),
               Rule("blocks.*.mlp", "gather_input", options={"args": 1})),
     logits=logits,
-))
+)
 
 
 def flops_per_token(config: TinyGPTConfig, seq: int) -> float:
@@ -44,9 +45,11 @@ def flops_per_token(config: TinyGPTConfig, seq: int) -> float:
     return 6.0 * (config.layers * per_block + config.vocab * config.dim) + 12.0 * config.layers * config.dim * seq
 
 
-register_model(ModelSpec(
+TINY_GPT = ModelSpec(
     name="tiny-gpt", family="tiny-gpt", config=TinyGPTConfig(), build=TinyGPT, flops_per_token=flops_per_token,
     with_vocab=lambda config, vocab: TinyGPTConfig(**{**config.to_dict(), "vocab": vocab}),
     config_to_dict=TinyGPTConfig.to_dict, config_from_dict=lambda data: TinyGPTConfig(**data),
     materialize="seeded",
-), replace=True)
+)
+
+register_model_family(Family(name="tiny-gpt", passes=PASSES, sizes=(TINY_GPT,)))

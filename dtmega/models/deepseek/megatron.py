@@ -13,10 +13,15 @@ beta_slow 1); a --rotary-scaling-factor of 1 stretches nothing, so that model ha
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from dtmega.kernels.errors import DtmegaError
-from dtmega.train.args import ArgumentError, TrainArgs
+from dtmega.models.family import MegatronSizing
+from dtmega.train.arg_fields import ArgumentError
+
+if TYPE_CHECKING:
+    from dtmega.train.args import TrainArgs
 
 # Megatron's defaults for the flags a launch line leaves out
 MEGATRON_MLA_DEFAULTS = {"kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
@@ -36,7 +41,7 @@ def mla_config(args: TrainArgs, vocab_size: int) -> Any:
     """The DeepSeekConfig Megatron's flags describe (`vocab_size`: the padded vocabulary);
     ArgumentError naming the flag for what does not fit."""
     from dtmega.models.deepseek.config import DeepSeekConfig, YarnScaling
-    from dtmega.train.setup import moe_config
+    from dtmega.train.model_flags import moe_config
 
     missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
                if getattr(args, k) is None]
@@ -73,3 +78,36 @@ def mla_config(args: TrainArgs, vocab_size: int) -> Any:
                             ("--v-head-dim", "v_head_dim"), ("--mtp-num-layers", "mtp_num_layers")):
             message = message.replace(field, flag)
         raise ArgumentError(f"--multi-latent-attention: {message}") from None
+
+
+def flags_config(args: TrainArgs, tokenizer_vocab: int) -> Any:
+    """The DeepSeekConfig of a line with --multi-latent-attention (the vocabulary padded as
+    Megatron pads it)."""
+    from dtmega.train.model_flags import padded_vocab
+
+    return mla_config(args, padded_vocab(tokenizer_vocab, args))
+
+
+def named_size_flags(config: Any, args: TrainArgs, source: str) -> Any:
+    """Megatron's flags a named DeepSeek size (--model deepseek-v3) still takes: --mtp-num-layers,
+    --mtp-loss-scaling-factor, --moe-router-num-groups and --moe-router-group-topk. The MLA flags
+    size a model of their own: with a named size they are refused, not dropped."""
+    if args.multi_latent_attention:
+        raise ArgumentError(f"{source} with --multi-latent-attention: the preset and the flags both size "
+                            f"the model. Fix: one of them ({source} is multi-latent already)")
+    changes: dict[str, Any] = {}
+    if args.mtp_num_layers is not None:
+        changes["mtp_num_layers"] = args.mtp_num_layers
+    if args.mtp_loss_scaling_factor is not None:
+        changes["mtp_loss_scaling_factor"] = args.mtp_loss_scaling_factor
+    try:
+        if (args.moe_router_num_groups, args.moe_router_group_topk) != (None, None):
+            changes["moe"] = dataclasses.replace(config.moe, num_groups=args.moe_router_num_groups,
+                                                 group_topk=args.moe_router_group_topk)
+        return config.replace(**changes) if changes else config
+    except DtmegaError as error:
+        raise ArgumentError(f"{source}: {error}") from None
+
+
+DEEPSEEK_FLAGS = MegatronSizing(model="deepseek-v3", selects=lambda args: bool(args.multi_latent_attention),
+                                config=flags_config, adjust=named_size_flags, flag="--multi-latent-attention")

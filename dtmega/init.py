@@ -30,6 +30,9 @@ class InitSpec:
 
     kind: Literal["normal", "trunc_normal", "ones", "zeros"]
     std: float = 0.02
+    # the name whose values these are, when not the parameter's own: a tied output layer's copy
+    # on the last pipeline stage starts as the word embedding it is tied to
+    key: str | None = None
 
     def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """Draws a block of values (fp32, CPU) from this distribution."""
@@ -104,4 +107,5 @@ def init_parameters(
 ) -> None:
     """Initializes every parameter of `module` so the result is independent of how it is sharded."""
     for name, param in module.named_parameters():
-        fill_parameter(param, spec_for(name, param), seed=seed, name=name)
+        spec = spec_for(name, param)
+        fill_parameter(param, spec, seed=seed, name=spec.key or name)

@@ -29,7 +29,7 @@ from dtmega.kernels.measured_choice import MeasuredChoice, device_timer
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
-from dtmega.passes.slots import swap_module
+from dtmega.passes.slots import refuse_dropping_cores, swap_module
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,14 @@ class AttentionBackend(Pass):
                             f"query/key heads; this model's are {latent.v_head_dim} and "
                             f"{latent.qk_nope_head_dim + latent.qk_rope_head_dim} wide. Fix: --attention-backend fused, "
                             "unfused or auto")
+        if name != "auto":
+            refuse_dropping_cores(program, free, f"AttentionBackend({self.backend!r})",
+                                  "--attention-backend auto (the core keeps its own attention), or --attention-dropout 0")
+        dropping = [fqn for fqn in free if float(getattr(program.modules.get(fqn), "attention_dropout_p", 0) or 0) > 0]
+        if dropping:
+            program.note(f"AttentionBackend(auto): {len(dropping)} attention cores drop attention probabilities in "
+                         "training and keep their own attention (SDPA where nothing is dropped)")
+            free = [fqn for fqn in free if fqn not in dropping]
         chosen = name if name != "auto" else self._measured(program, device)
         if chosen is not None:
             for fqn in free:

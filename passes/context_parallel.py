@@ -24,6 +24,7 @@ from dtmega.passes.errors import PlanError
 from dtmega.passes.program import Program
 from dtmega.passes.results import ContextSharding, DataParallelism
 from dtmega.passes.runtime import Batch, RuntimeHook
+from dtmega.passes.slots import refuse_dropping_cores
 
 LOAD_BALANCE = ("zigzag", None)
 _HF_NAMES = itertools.count()
@@ -130,6 +131,8 @@ class ContextParallel(Pass):
                     )
                 program.layout[fqn].kernel = f"attention.context_parallel.{self.method}"
                 targets.append(fqn)
+            refuse_dropping_cores(program, targets, f"ContextParallel(method={self.method!r})",
+                                  "--attention-dropout 0 with context parallelism (hidden dropout is kept), or no CP")
         else:
             implementation = getattr(program.model.config, "_attn_implementation", "sdpa")
             if implementation not in ("sdpa", "eager"):

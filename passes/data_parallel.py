@@ -191,6 +191,7 @@ class DataParallel(Pass):
         return program.flat_submesh((self.replicate_axis, *shard_axes))
 
     def apply(self, program: Program) -> None:
+        _tell_data_parallel_rank(program)
         if program.layout[""].wrap is None:  # one data-parallel rank and no unit chosen: no wrapping
             precision = program.layout[""].precision
             if precision is not None and precision.autocast:
@@ -256,3 +257,18 @@ class GradientSync(RuntimeHook):
     def gradient_sync(self, enabled: bool) -> None:
         for root in self.roots:
             root.set_requires_gradient_sync(enabled)
+
+
+def _tell_data_parallel_rank(program: Program) -> None:
+    """Gives every module that asks (`set_data_parallel_rank(rank, size)`: the GPT family's dropout,
+    whose masks follow each sample's global index) this rank's share of the global batch."""
+    askers = [m for part in program.parts for m in part.modules() if hasattr(m, "set_data_parallel_rank")]
+    axes = [axis for axis in program.data_axes(context=False) if axis in program.mesh_shape]
+    size = 1
+    for axis in axes:
+        size *= program.mesh_shape[axis]
+    if not askers or size == 1:
+        return
+    rank = program.flat_submesh(tuple(axes)).get_local_rank()
+    for module in askers:
+        module.set_data_parallel_rank(rank, size)

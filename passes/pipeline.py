@@ -22,6 +22,7 @@ from dtmega.passes.errors import PlanError
 from dtmega.passes.pipeline_runtime import PipelineExecutor, check_microbatches
 from dtmega.passes.program import Program
 from dtmega.passes.results import PipelineStages
+from dtmega.passes.tied_embeddings import TiedEmbeddingSync, embedding_peer, tied_embedding_name
 
 # name -> (torch schedule class name, how stages map to ranks)
 SCHEDULES = {
@@ -164,8 +165,8 @@ class PipelineSplit(Pass):
             self.check_microbatches(self.microbatches, pp)
         facts = program.facts
         if facts.tied_embeddings and stages > 1:
-            raise PlanError("tied embeddings across pipeline stages are not supported yet; untie them "
-                            "(--untie-embeddings-and-output-weights / tie_embeddings=False)")
+            program.note("PipelineSplit: the tied word embedding lives on the first stage and a copy on the last, "
+                         "their gradients summed over an embedding group after each backward (Megatron's scheme)")
         container = facts.blocks[0].rpartition(".")[0]
         if not isinstance(program.modules.get(container), nn.ModuleDict):
             raise PlanError(
@@ -236,8 +237,24 @@ class PipelineSplit(Pass):
             _install_boundary_hooks(part, first=stage == 0, boundary=boundary, tp_mesh=tp_mesh)
             parts.append(part)
         program.parts = parts
-        program.executor = PipelineExecutor(program, local)
+        program.executor = PipelineExecutor(program, local, _tied_sync(program, info, parts, local))
         program.note(f"PipelineSplit: pp rank {pp_mesh.get_local_rank()} holds stages {local}")
+
+
+def _tied_sync(program: Program, info, parts: list[nn.Module], local: list[int]) -> TiedEmbeddingSync | None:
+    """The gradient sum that keeps a tied embedding's two copies equal (passes/tied_embeddings.py)."""
+    facts = program.facts
+    name = tied_embedding_name(program.model, facts.output) if facts.tied_embeddings and info.stages > 1 else None
+    if name is None:
+        return None
+    first, last = info.rank_of_stage[0], info.rank_of_stage[-1]
+    peer = embedding_peer(program.mesh, info.axis, first, last)
+    by_stage = dict(zip(local, parts))
+    embedding = by_stage[0].get_submodule(name.rpartition(".")[0]) if 0 in by_stage else None
+    output = by_stage[info.stages - 1].get_submodule(facts.output) if info.stages - 1 in by_stage else None
+    if embedding is None and output is None:
+        return None
+    return TiedEmbeddingSync(embedding, output, name, peer, program.submesh(info.axis).get_group())
 
 
 def _drop(part: nn.Module, fqn: str) -> None:

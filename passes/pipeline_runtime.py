@@ -98,8 +98,9 @@ class PipelineExecutor(Executor):
     """Runs a step through torch's PipelineStages and the plan's schedule (stages and schedules
     built on first use, after every pass has applied)."""
 
-    def __init__(self, program: Program, local_stages: list[int]):
+    def __init__(self, program: Program, local_stages: list[int], tied=None):
         self.program = program
+        self.tied = tied  # TiedEmbeddingSync: the tied embedding's copies summed after backward
         self.info = program.require(PipelineStages, "PipelineExecutor")
         self.local_stages = local_stages
         self.mesh = program.submesh(self.info.axis)
@@ -204,6 +205,8 @@ class PipelineExecutor(Executor):
         with loss_parallel() if self.logits_sharded else contextlib.nullcontext(), returns_hidden(outputs):
             if step.train:
                 schedule.step(*inputs, target=target, losses=losses, **kwargs)
+                if self.tied is not None:
+                    self.tied.sync()
             else:
                 schedule.eval(*inputs, target=target, losses=losses, **kwargs)
         # Every stage reduces a scalar of the same dtype: fp32, or float64 for a float64 model.

@@ -45,7 +45,8 @@ class SequenceParallel(Pass):
         for fqn, entry in program.layout.modules.items():
             if any(fqn.startswith(f"{block}.") for block in blocks):
                 continue  # inside a block that rejoins the residual stream itself (MoE shared experts)
-            if entry.style in RESIDUAL_WRITERS and entry.outputs.get(self.axis) == f"{PARTIAL}->{REPLICATE}":
+            if (entry.style in RESIDUAL_WRITERS and entry.outputs.get(self.axis) == f"{PARTIAL}->{REPLICATE}"
+                    and entry.options.get("residual", True)):
                 entry.outputs[self.axis] = f"{PARTIAL}->{SEQ}"
             elif entry.style in RESIDUAL_READERS and entry.inputs.get(self.axis) == REPLICATE:
                 entry.inputs[self.axis] = f"{SEQ}->{REPLICATE}"

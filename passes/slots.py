@@ -44,3 +44,14 @@ def swap_module(program, fqn: str, make: Callable[[nn.Module], nn.Module], why: 
         setattr(parent, name, new)
         count += 1
     return count
+
+
+def refuse_dropping_cores(program, cores: list[str], why: str, fix: str) -> None:
+    """PlanError when any attention core at `cores` drops attention probabilities in training
+    (`attention_dropout_p` > 0, as the GPT family's core does): a pass that would replace such a
+    core with a kernel that computes no dropout says so instead of silently training without it."""
+    dropping = [fqn for fqn in cores if float(getattr(program.modules.get(fqn), "attention_dropout_p", 0.0) or 0.0) > 0]
+    if dropping:
+        p = program.modules[dropping[0]].attention_dropout_p
+        raise PlanError(f"{why}: {len(dropping)} attention cores ({dropping[0]}, ...) drop attention probabilities in "
+                        f"training (p={p}), which that attention does not compute. Fix: {fix}")

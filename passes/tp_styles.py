@@ -88,6 +88,10 @@ def _annotate_embedding(entry, module, axis, size, options):
     _require_divisible("num_embeddings (vocab)", module.num_embeddings, axis, size, entry.type)
     _set_params(entry, axis, {"weight": shard(0)})
     entry.inputs[axis], entry.outputs[axis] = REPLICATE, f"{PARTIAL}->{REPLICATE}"
+    # {"residual": False}: the lookup feeds a module of the model's own (the GPT family's word +
+    # position embedding), which the residual stream leaves; SequenceParallel then splits that
+    # module's output, not this one's
+    entry.options = {**entry.options, **options}
 
 
 def _annotate_output(entry, module, axis, size, options):
@@ -355,7 +359,17 @@ def retie_parameters(program) -> None:
         owner_module, _, owner_name = param.tied_to.rpartition(".")
         module_fqn, _, name = full_name.rpartition(".")
         for part in program.parts:
-            setattr(part.get_submodule(module_fqn), name, getattr(part.get_submodule(owner_module), owner_name))
+            module, owner = _submodule_or_none(part, module_fqn), _submodule_or_none(part, owner_module)
+            if module is None or owner is None:
+                continue  # a pipeline stage holding one side: its copy was sharded by its own style
+            setattr(module, name, getattr(owner, owner_name))
+
+
+def _submodule_or_none(part, fqn: str):
+    try:
+        return part.get_submodule(fqn)
+    except AttributeError:
+        return None
 
 
 __all__ = [

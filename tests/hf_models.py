@@ -181,3 +181,22 @@ def dequantized_fp8(directory: Path) -> dict[str, torch.Tensor]:
                 :tensor.shape[0], :tensor.shape[1]]
         out[name] = tensor
     return out
+
+
+def save_tiny_gpt2(directory: Path, seed: int = 0, tie: bool = True, activation: str = "gelu_new") -> Path:
+    """A 2-block GPT2LMHeadModel (width 64, 4 heads, 128 positions) with random LayerNorm weights
+    and biases (transformers starts them at one and zero, which would hide a swapped weight/bias
+    or an untransposed Conv1D), in shards with an index."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                        activation_function=activation, tie_word_embeddings=tie)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if tensor.ndim == 1:
+                tensor.uniform_(0.5, 1.5) if name.endswith("ln_1.weight") or "ln_" in name else tensor.normal_(0, 0.05)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    _tokenizer(directory)
+    return directory

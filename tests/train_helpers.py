@@ -24,6 +24,12 @@ def prepare_corpus(root: Path, documents: int = 400) -> str:
     return f"{prefix}_text_document"
 
 
+# Megatron's flags for a Llama block (its defaults are GPT blocks': LayerNorm, learned positions,
+# biases, GeLU, dropout 0.1), as Megatron-LM's Llama scripts pass them
+LLAMA_BLOCK = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+               "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
 def tiny_args(data: str, **overrides) -> list[str]:
     """`dtmega train` flags of a 2-block model that trains in seconds; overrides are flag=value."""
     options = {
@@ -40,7 +46,7 @@ def tiny_args(data: str, **overrides) -> list[str]:
         options["override-opt-param-scheduler"] = True
     if "lr_warmup_iters" not in overrides:  # short runs need warmup < decay
         options["lr-warmup-iters"] = min(4, int(options["train-iters"]) // 2)
-    argv = ["--group-query-attention", "--swiglu"]
+    argv = ["--group-query-attention", *LLAMA_BLOCK]
     for key, value in options.items():
         if value is True:
             argv.append(f"--{key}")

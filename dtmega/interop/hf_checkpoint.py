@@ -165,7 +165,7 @@ class HFCheckpoint:
         for name, shape in expected.items():
             source = self.architecture.source(name, config, names, self.hf_config)
             sources[name] = source
-            want = shape[1:] if source.stacked else shape
+            want = source.hf_shape or (shape[1:] if source.stacked else shape)
             for hf in source.names:
                 if hf not in self.shapes:
                     missing.append(hf)

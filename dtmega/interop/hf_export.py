@@ -34,6 +34,7 @@ from dtmega.data.tokenizers import (
 )
 from dtmega.interop.hf_architectures import architecture_of_family
 from dtmega.models.llama.hf_config import HFFormatError
+from dtmega.models.llama.hf_names import HFPart
 from dtmega.train.checkpoint import TOKENIZER, read_state, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +98,7 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     weight_map, total = {}, 0
+    parts: dict[str, dict[int, HFPart]] = {}
     for number, names in enumerate(groups, start=1):
         file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         full = {"model": {name: torch.empty(sizes[name], dtype=torch.float32) for name in names}}
@@ -106,6 +108,13 @@ def export_hf(load: str | Path, out: str | Path, *, dtype: str | None = None, ma
         tensors = {}
         for name in names:
             for hf_name, tensor in architecture.tensors(name, full["model"][name], config).items():
+                if isinstance(tensor, HFPart):  # a piece of a fused HF tensor: written once all are read
+                    pieces = parts.setdefault(hf_name, {})
+                    pieces[tensor.index] = tensor
+                    if len(pieces) < tensor.count:
+                        continue
+                    tensor = torch.cat([pieces[i].tensor for i in range(tensor.count)], dim=tensor.dim)
+                    del parts[hf_name]
                 tensors[hf_name] = tensor.to(DTYPES[dtype]).contiguous()
         del full
         save_file(tensors, str(partial / file), metadata={"format": "pt"})

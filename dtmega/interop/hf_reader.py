@@ -110,6 +110,12 @@ class HFSafetensorsReader(StorageReader):
         return region.float() * scale[top:top + lengths[0], left:left + lengths[1]]
 
     def _region(self, handles: dict, source: WeightSource, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        if source.transpose and len(offsets) == 2:  # a Conv1D [in, out]: dtmega's rows are its columns
+            block = self._slice(handles, source.names[0], [offsets[1], source.offset + offsets[0]],
+                                [lengths[1], lengths[0]])
+            return block.t()
+        if source.offset:  # a part of a fused tensor (GPT-2's q/k/v bias)
+            return self._slice(handles, source.names[0], [source.offset + offsets[0], *offsets[1:]], lengths)
         if source.stacked:  # experts [first, first + count) of dtmega's stacked tensor
             first, count = offsets[0], lengths[0]
             return torch.stack([self._slice(handles, source.names[e], offsets[1:], lengths[1:])

@@ -88,6 +88,8 @@ class Decoder(nn.Module):
         """Megatron's scheme: N(0, std) everywhere, output projections of each block scaled by
         1/sqrt(2 * n_layers), norms at one."""
         std = self.config.init_std
+        if name == "output.weight" and self.config.tie_embeddings:  # a pipeline stage's copy of the tied embedding
+            return InitSpec("normal", std, key="tok_embeddings.weight")
         if param.ndim == 1:
             return InitSpec("ones")
         if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):

@@ -80,6 +80,7 @@ class Family:
     hf: tuple[HFArchitecture, ...] = ()
     megatron: MegatronSizing | None = None
     multi_token_prediction: bool = False
+    kv_cache: bool = False  # whether its blocks fill a KVCache (dtmega generate / serve decode it)
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -6,9 +6,14 @@ import torch
 
 from dtmega.kernels.errors import DtmegaError
 
-# The model families whose blocks fill a KVCache (generation, `dtmega serve`): the Llama's keys
-# and values per KV head, DeepSeek's MLA latent and rotary key per position.
-DECODING_FAMILIES = ("dtmega-llama", "dtmega-deepseek")
+
+def decoding_families() -> list[str]:
+    """The registered model families whose blocks fill a KVCache (generation, `dtmega serve`):
+    `Family.kv_cache` (the Llama's and Qwen3's keys and values per KV head, DeepSeek's MLA latent
+    and rotary key, the GPT family's keys and values)."""
+    from dtmega.models.family import model_families
+
+    return [family.name for family in model_families() if family.kv_cache]
 
 
 class LayerCache:

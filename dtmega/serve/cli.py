@@ -23,7 +23,7 @@ import uvicorn
 
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import broadcast_object, default_device_type, init_distributed
-from dtmega.models.kv_cache import DECODING_FAMILIES
+from dtmega.models.kv_cache import decoding_families
 from dtmega.printing import console
 from dtmega.serve.app import ServedModel, ServeLimits, build_app
 from dtmega.serve.chat_source import choose_chat_template
@@ -137,8 +137,8 @@ def main(argv: list[str]) -> None:
     check_arguments(a)
     head = read_source_head(a, contents=False)
     chat = choose_chat_template(a.chat_template, head)  # read and parsed before any rank joins or weight is read
-    if head.spec.family not in DECODING_FAMILIES:
-        raise DtmegaError(f"dtmega serve decodes {' and '.join(DECODING_FAMILIES)} models (their KV cache); this "
+    if head.spec.family not in decoding_families():
+        raise DtmegaError(f"dtmega serve decodes {', '.join(decoding_families())} models (their KV cache); this "
                          f"checkpoint holds a {head.spec.family} model. Fix: evaluate it with dtmega evaluate")
     size = cache_size(a, head.config, default_device_type())  # before any rank joins or any weight is read
     init_distributed()

@@ -66,7 +66,6 @@ NOTED_FLAGS = {
                                       "--max-skipped-steps bounds the streak)",
     "use_mcore_models": "dtmega has one model implementation",
     "use_flash_attn": "attention uses torch's scaled_dot_product_attention, which picks flash kernels itself",
-    "disable_bias_linear": "dtmega's Llama has no biases",
     "no_masked_softmax_fusion": "attention runs torch's fused SDPA kernels (causal masking inside them)",
     "no_persist_layer_norm": "Apex's persistent LayerNorm does not exist here; --no-rms-norm-fusion turns dtmega's "
                              "RMSNorm kernel off",
@@ -82,7 +81,8 @@ NOTED_FLAGS = {
                             "default",
     "accumulate_allreduce_grads_in_fp32": "gradients are always reduced in fp32 here (DataParallel's reduce dtype), "
                                           "with --bf16 too",
-    "no_bias_dropout_fusion": "dtmega's Llama has neither biases nor dropout, so there is nothing to fuse",
+    "no_bias_dropout_fusion": "the GPT blocks' bias, dropout and residual add run as separate torch ops (no fused "
+                              "kernel to turn off)",
     "use_rotary_position_embeddings": "RoPE is the position embedding here (--position-embedding-type rope, the "
                                       "default)",
     "use_dist_ckpt": "checkpoints are always sharded torch.distributed.checkpoint directories (Megatron's torch_dist "
@@ -92,8 +92,8 @@ NOTED_FLAGS = {
     "log_throughput": "every log line (and TensorBoard) carries tokens_per_s and tflops_per_device",
     "log_validation_ppl_to_tensorboard": "validation perplexity is always written to TensorBoard (valid/val_ppl)",
     "log_memory_to_tensorboard": "memory_gib is written to TensorBoard at every log step",
-    "no_position_embedding": "Megatron's deprecated switch for the learned absolute position embedding, which "
-                             "dtmega's RoPE models do not have",
+    "no_position_embedding": "Megatron's deprecated switch of its legacy model; Megatron-Core's GPT (and dtmega) "
+                             "follow --position-embedding-type",
     "auto_detect_ckpt_format": "dtmega reads its own checkpoints by their state.json (`dtmega convert` reads "
                                "Megatron's)",
     "enable_experimental": "dtmega has no experimental switch: each feature it has is on by its own flag",
@@ -197,6 +197,9 @@ def _preset(name: str) -> dict[str, Any]:
         "num_attention_heads": c.n_heads, "group_query_attention": c.n_kv_heads != c.n_heads,
         "num_query_groups": c.n_kv_heads, "rotary_base": c.rope_theta, "use_rope_scaling": c.rope_scaling is not None,
         "norm_epsilon": c.norm_eps, "swiglu": True, "untie_embeddings_and_output_weights": not c.tie_embeddings,
+        # the Llama block in Megatron's flags (their defaults are GPT blocks')
+        "normalization": "RMSNorm", "position_embedding_type": "rope", "disable_bias_linear": True,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0,
     }
     if c.moe is not None:
         m = c.moe

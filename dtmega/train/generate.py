@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.kernels.errors import DtmegaError
-from dtmega.models.kv_cache import DECODING_FAMILIES, KVCache
+from dtmega.models.kv_cache import KVCache, decoding_families
 from dtmega.printing import console
 from dtmega.progress import progress_bar
 from dtmega.serve.chat_api import end_of_turn_tokens
@@ -178,8 +178,8 @@ def main(argv: list[str]) -> str:
     check_request(head, prompt, a.max_new_tokens, "the rendered conversation" if a.chat else "the prompt")
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
                                              load_hf=a.load_hf, tokenizer_model=a.tokenizer_model)
-    if pm.program.facts.family not in DECODING_FAMILIES:
-        raise DtmegaError(f"dtmega generate decodes {' and '.join(DECODING_FAMILIES)} models (their KV cache); this "
+    if pm.program.facts.family not in decoding_families():
+        raise DtmegaError(f"dtmega generate decodes {', '.join(decoding_families())} models (their KV cache); this "
                          f"checkpoint holds a {pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")
     pm.eval()
     dtype = next(pm.module.parameters()).dtype

@@ -34,13 +34,18 @@ class ModelArgs:
     group_query_attention: bool = _opt(False, "use grouped-query attention (with --num-query-groups)")
     num_query_groups: int | None = _opt(None, "key/value heads under --group-query-attention")
     seq_length: int = _opt(1024, "tokens per sample")
-    max_position_embeddings: int | None = _opt(None, "RoPE table length (default: --seq-length)")
+    max_position_embeddings: int | None = _opt(None, "position table length (default: --seq-length)")
     init_method_std: float = _opt(0.02, "std of the normal init")
     untie_embeddings_and_output_weights: bool = _opt(False, "separate input embedding and output layer")
-    swiglu: bool = _opt(False, "SwiGLU MLP (dtmega's Llama always uses it)")
-    normalization: str = _opt("RMSNorm", "norm layer (LayerNorm: not supported yet)", ("RMSNorm", "LayerNorm"))
+    swiglu: bool = _opt(False, "SwiGLU MLP (without it, Megatron's GPT blocks: a GeLU MLP)")
+    squared_relu: bool = _opt(False, "squared-ReLU MLP (GPT blocks)")
+    no_bias_gelu_fusion: bool = _opt(False, "exact (erf) GeLU; Megatron's fused bias-GeLU, the default, is the tanh form")
+    disable_bias_linear: bool = _opt(False, "no biases on the linear layers (Megatron's default: biases)")
+    add_bias_linear: bool = _opt(False, "biases on every linear layer (Megatron's default, said explicitly)")
+    add_qkv_bias: bool = _opt(False, "biases on the query, key and value projections only (with --disable-bias-linear)")
+    normalization: str = _opt("LayerNorm", "norm layer (Megatron's default: LayerNorm)", ("RMSNorm", "LayerNorm"))
     norm_epsilon: float = _opt(1e-5, "norm epsilon")
-    position_embedding_type: str = _opt("rope", "position embedding (learned_absolute and none: not supported yet)",
+    position_embedding_type: str = _opt("learned_absolute", "position embedding (Megatron's default: learned_absolute)",
                                         ("rope", "learned_absolute", "none"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
     rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
@@ -48,7 +53,7 @@ class ModelArgs:
                                          "Qwen3: 128)")
     qk_layernorm: bool = _opt(False, "RMSNorm on each query and key head before RoPE (Qwen3's attention; with "
                                      "--multi-latent-attention, DeepSeek's latent norms)")
-    apply_layernorm_1p: bool = _opt(False, "norm weights stored as (1 + w), zero-centred (not supported yet)")
+    apply_layernorm_1p: bool = _opt(False, "norm weights stored zero-centred, applied as (1 + w) (GPT blocks)")
     use_rope_scaling: bool = _opt(False, "Llama-3.1 RoPE frequency scaling")
     make_vocab_size_divisible_by: int = _opt(128, "pad the vocabulary to a multiple of this x TP size")
     padded_vocab_size: int | None = _opt(None, "the model's vocabulary size exactly (at least the tokenizer's, a "
@@ -56,5 +61,6 @@ class ModelArgs:
                                                "computes")
     rotary_seq_len_interpolation_factor: int | None = _opt(None, "RoPE position interpolation: positions divided by "
                                                                  "this (only 1 is supported)")
-    attention_dropout: float = _opt(0.0, "dropout on attention probabilities (only 0 is supported)")
-    hidden_dropout: float = _opt(0.0, "dropout on the residual stream (only 0 is supported)")
+    attention_dropout: float = _opt(0.1, "dropout on attention probabilities (Megatron's default 0.1; GPT blocks)")
+    hidden_dropout: float = _opt(0.1, "dropout on the embedding and residual branches (Megatron's default 0.1; GPT "
+                                      "blocks)")

@@ -60,7 +60,7 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
     head_dim = args.kv_channels
     if head_dim is not None and head_dim * heads == args.hidden_size:
         head_dim = None  # the default width, said explicitly
-    _check_heads(args.hidden_size, heads, kv_heads, args.group_query_attention, explicit_head_dim=head_dim is not None)
+    check_heads(args.hidden_size, heads, kv_heads, args.group_query_attention, explicit_head_dim=head_dim is not None)
     try:
         return LlamaConfig(
             dim=args.hidden_size, n_layers=args.num_layers, n_heads=heads, n_kv_heads=kv_heads,
@@ -74,7 +74,7 @@ def model_config(args: TrainArgs, tokenizer_vocab: int) -> LlamaConfig:
         raise ArgumentError(str(error).replace("kv_channels", "--kv-channels")) from None
 
 
-def _check_heads(width: int, heads: int, kv_heads: int, grouped: bool, explicit_head_dim: bool = False) -> None:
+def check_heads(width: int, heads: int, kv_heads: int, grouped: bool, explicit_head_dim: bool = False) -> None:
     """The head arithmetic in flag terms (LlamaConfig would say it in its field names); with
     --kv-channels the width need not divide among the heads."""
     if width % heads and not explicit_head_dim:

@@ -28,10 +28,13 @@ def _uniform_groups(args: TrainArgs) -> bool:
             and args.recompute_num_layers not in (None, 1))
 
 
-def _gpt_blocks(args: TrainArgs) -> bool:
-    """A model sized by Megatron's flags without --swiglu: Megatron builds GPT blocks there (GeLU
-    MLP, and by its defaults LayerNorm, learned positions, biases, dropout 0.1)."""
-    return not args.swiglu and args.model is None and not args.load_hf and args.num_layers is not None
+def _gpt_features_elsewhere(args: TrainArgs) -> bool:
+    """A line sized by flags that selects Qwen3 or DeepSeek (whose blocks are Llama-shaped) and
+    asks for GPT-block features (dtmega/models/gpt/megatron.py)."""
+    from dtmega.models.gpt.megatron import gpt_features
+
+    sized = args.model is None and not args.load_hf and args.num_layers is not None
+    return sized and (args.qk_layernorm or args.multi_latent_attention) and bool(gpt_features(args))
 
 
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
@@ -66,26 +69,13 @@ def _has_multi_token_prediction(args) -> bool:
 
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("GPT blocks (Megatron's sizes without --swiglu)", (), _gpt_blocks,
-             "without --swiglu Megatron builds GPT blocks (GeLU MLP; by its defaults also LayerNorm, learned absolute "
-             "positions, biases and dropout 0.1), which are not supported yet. Fix: add --swiglu to train dtmega's "
-             "Llama blocks (SwiGLU, RMSNorm, RoPE, no biases, no dropout)", without=("--swiglu",)),
-    NotBuilt("tied embeddings with pipeline parallelism (PP > 1 without --untie-embeddings-and-output-weights)",
-             ("--pipeline-model-parallel-size", "2"),
-             lambda a: (a.pipeline_model_parallel_size > 1 and not a.untie_embeddings_and_output_weights
-                        and a.model is None and not a.load_hf and a.num_layers is not None),
-             "one embedding matrix shared by the first and the last pipeline stage is not supported yet. Fix: add "
-             "--untie-embeddings-and-output-weights (separate input and output embeddings)",
-             without=("--untie-embeddings-and-output-weights",)),
-    NotBuilt("--attention-dropout/--hidden-dropout > 0", ("--attention-dropout", "0.1"),
-             lambda a: bool(a.attention_dropout or a.hidden_dropout),
-             "dropout is not supported yet (Llama pretraining uses none). Fix: --attention-dropout 0 --hidden-dropout 0"),
-    NotBuilt("--normalization LayerNorm", ("--normalization", "LayerNorm"), lambda a: a.normalization != "RMSNorm",
-             "LayerNorm blocks (GPT-3's) are not supported yet; dtmega's models use RMSNorm. Fix: --normalization RMSNorm"),
-    NotBuilt("--position-embedding-type learned_absolute|none", ("--position-embedding-type", "learned_absolute"),
-             lambda a: a.position_embedding_type != "rope",
-             "learned or no position embeddings are not supported yet; dtmega's models use RoPE. Fix: "
-             "--position-embedding-type rope"),
+    NotBuilt("GPT-block features with --qk-layernorm or --multi-latent-attention",
+             ("--qk-layernorm", "--normalization", "LayerNorm"), _gpt_features_elsewhere,
+             "Qwen3's and DeepSeek's blocks are Llama-shaped (SwiGLU, RMSNorm, RoPE, no biases, no dropout); LayerNorm, "
+             "learned positions, biases, GeLU and dropout are built in the GPT family only. Fix: --swiglu "
+             "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --attention-dropout 0 "
+             "--hidden-dropout 0 with those flags (as Megatron's Qwen3 and DeepSeek scripts pass them)",
+             without=()),
     NotBuilt("--recompute-method uniform --recompute-num-layers N (N > 1)",
              ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
              _uniform_groups,
@@ -164,9 +154,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.rampup_batch_size is not None or a.step_batch_size_schedule is not None,
              "a growing batch size is not supported yet. Fix: leave the schedule out (--global-batch-size is used "
              "from the first step)"),
-    NotBuilt("--apply-layernorm-1p", ("--apply-layernorm-1p",), lambda a: a.apply_layernorm_1p,
-             "zero-centred norm weights (stored as 1 + w) are not supported yet. Fix: leave the flag out (the norm "
-             "weights start at 1)"),
     NotBuilt("--decoupled-lr/--decoupled-min-lr", ("--decoupled-lr", "5e-4"),
              lambda a: a.decoupled_lr is not None or a.decoupled_min_lr is not None,
              "a separate learning rate for the embedding and output layer is not supported yet. Fix: leave "

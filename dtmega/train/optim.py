@@ -60,7 +60,14 @@ def grad_norm(parameters, pipeline_group=None) -> torch.Tensor:
     One reduction per (mesh, placements) group of gradients, not one per gradient; with
     pipeline stages, the squared norms of the stages are summed over `pipeline_group`.
     """
-    return _norm([param.grad for param in parameters if param.grad is not None], pipeline_group)
+    return _norm([param.grad for param in parameters if param.grad is not None and not _tied_copy(param)],
+                 pipeline_group)
+
+
+def _tied_copy(param) -> bool:
+    """The last pipeline stage's copy of a tied embedding: counted once, by the embedding
+    (passes/tied_embeddings.py; Megatron's `param.shared`)."""
+    return bool(getattr(param, "dtmega_tied_copy", False))
 
 
 def _norm(tensors: list[torch.Tensor], pipeline_group=None) -> torch.Tensor:
@@ -86,7 +93,7 @@ def _norm(tensors: list[torch.Tensor], pipeline_group=None) -> torch.Tensor:
 def params_norm(parameters, pipeline_group=None) -> float:
     """The L2 norm of all parameters as if unsharded (--log-params-norm), identical on every
     rank; grouped like `grad_norm`."""
-    return float(_norm([param.detach() for param in parameters], pipeline_group))
+    return float(_norm([param.detach() for param in parameters if not _tied_copy(param)], pipeline_group))
 
 
 @torch.no_grad()
@@ -95,7 +102,7 @@ def zeros_in_grad(parameters, pipeline_group=None) -> int:
     (--log-num-zeros-in-grad); identical on every rank."""
     total = torch.zeros((), dtype=torch.float64)
     for param in parameters:
-        if param.grad is None:
+        if param.grad is None or _tied_copy(param):
             continue
         count = (param.grad == 0).sum()
         if isinstance(count, DTensor):

@@ -247,6 +247,7 @@ class Trainer:
         gradient norm is not finite is skipped by the optimizer kernel itself (`found_inf`)."""
         scale = self.scaler.scale if self.scaler else 1.0
         rng = random_state() if self.spikes else None
+        self._start_dropout()
         with self.timers.phase("forward_backward"):
             loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale,
                                              averaging=self.args.loss_averaging)
@@ -261,6 +262,16 @@ class Trainer:
                 self.zeros_in_grad = zeros_in_grad(params, self.pm.pipeline_group())
         with self.timers.phase("optimizer"):
             return self._update(loss, norm, params)
+
+    def _start_dropout(self) -> None:
+        """Tells models with plan-independent dropout (the GPT family) the run's seed and the
+        samples trained before this step, so a step's masks follow its samples' global indices
+        (the same after a resume, and when a step is re-run)."""
+        before = self.iteration * self.shape.global_batch
+        for part in self.pm.program.parts:
+            for module in part.modules():
+                if hasattr(module, "set_dropout_state"):
+                    module.set_dropout_state(self.args.seed, before)
 
     def _update(self, loss: torch.Tensor, norm: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor | bool]:
@@ -302,6 +313,7 @@ class Trainer:
         if self.spikes.is_spike(value):
             self.optimizer.zero_grad(set_to_none=True)
             set_random_state(rng)
+            self._start_dropout()  # the re-run draws the masks the first run drew
             loss = self.pm.forward_backward(batch, microbatches=self.shape.accumulation, loss_scale=scale,
                                              averaging=self.args.loss_averaging)
             spike = self.spikes.record(self.iteration + 1, value, float(loss))

@@ -148,9 +148,13 @@ def test_megatrons_names_map_onto_the_kernels_and_a_missing_kernel_is_refused(on
 
 def test_the_train_flag_adds_the_pass(capsys):
     from dtmega.cli import main
+    from tests.train_helpers import LLAMA_BLOCK
 
-    base = ["train", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
-            "--seq-length", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"]
-    assert main([*base, "--attention-backend", "unfused", "--dry-run", "1"]) == 0
+    gpt = ["train", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--micro-batch-size", "1",
+           "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"]
+    assert main([*gpt, *LLAMA_BLOCK, "--attention-backend", "unfused", "--dry-run", "1"]) == 0
     assert "AttentionBackend" in capsys.readouterr().out
+    # GPT blocks drop attention probabilities (Megatron's default 0.1): a kernel that would not is refused
+    assert main([*gpt, "--attention-backend", "unfused", "--dry-run", "1"]) == 2
+    assert "drop attention probabilities in training (p=0.1)" in capsys.readouterr().err

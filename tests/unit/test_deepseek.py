@@ -241,7 +241,9 @@ def test_megatrons_mtp_and_group_flags_reach_the_models_configs():
     _, config = model_of(args, 256)
     assert (config.mtp_num_layers, config.mtp_loss_scaling_factor) == (2, 0.2)
     assert (config.moe.num_groups, config.moe.group_topk) == (2, 1)
-    llama = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    from tests.train_helpers import LLAMA_BLOCK
+
+    llama = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
              "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-num-groups", "4"]
     args, _ = parse_train_args([*base, *llama, "--moe-router-group-topk", "2"])
     assert model_of(args, 256)[1].moe.group_topk == 2

@@ -13,6 +13,7 @@ from dtmega.cli import main as dtmega_main
 from dtmega.models.deepseek import DeepSeekConfig
 from dtmega.train.args import parse_train_args
 from dtmega.train.prepare import model_of
+from tests.train_helpers import LLAMA_BLOCK
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--seq-length", "32",
         "--train-iters", "2", "--lr", "1e-3"]
@@ -21,7 +22,8 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256
 V3_FLAGS = [
     "--disable-bias-linear", "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
     "--num-attention-heads", "128", "--kv-channels", "128", "--normalization", "RMSNorm", "--position-embedding-type",
-    "rope", "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights", "--vocab-size", "129280",
+    "rope", "--norm-epsilon", "1e-6", "--swiglu", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--untie-embeddings-and-output-weights", "--vocab-size", "129280",
     "--make-vocab-size-divisible-by", "1", "--max-position-embeddings", "163840",
     "--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
     "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm", "--rotary-scaling-factor", "40",
@@ -55,32 +57,32 @@ def test_megatrons_defaults_fill_what_a_launch_leaves_out():
     """kv_lora_rank 32, qk-head-dim 128, qk-pos-emb-head-dim 64, v-head-dim 128, no query latent,
     no YaRN stretch at --rotary-scaling-factor 1 (Megatron's defaults)."""
     args, _ = parse_train_args([*BASE, "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-                                "--swiglu", "--multi-latent-attention", "--qk-layernorm"])
+                                *LLAMA_BLOCK, "--multi-latent-attention", "--qk-layernorm"])
     _, config = model_of(args, 256)
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim, config.yarn, config.moe, config.mtp_num_layers) == (None, 32, 128, 64, 128, None, None, 0)
     args, _ = parse_train_args([*BASE, "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-                                "--swiglu", "--multi-latent-attention", "--qk-layernorm", "--rotary-scaling-factor", "4",
+                                *LLAMA_BLOCK, "--multi-latent-attention", "--qk-layernorm", "--rotary-scaling-factor", "4",
                                 "--mscale", "0.707", "--mscale-all-dim", "0.707", "--max-position-embeddings", "16384"])
     yarn = model_of(args, 256)[1].yarn
     assert dataclasses.astuple(yarn) == (4.0, 4096, 32.0, 1.0, 0.707, 0.707)
 
 
 BAD = {
-    "latent_flags_without_mla": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    "latent_flags_without_mla": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
                                   "--kv-lora-rank", "16"],
                                  "without --multi-latent-attention: these flags size multi-latent attention"),
-    "mla_without_qk_layernorm": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    "mla_without_qk_layernorm": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
                                   "--multi-latent-attention"], "Fix: add --qk-layernorm"),
-    "odd_rope_dim": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    "odd_rope_dim": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
                       "--multi-latent-attention", "--qk-layernorm", "--qk-pos-emb-head-dim", "7"],
                      "--qk-pos-emb-head-dim=7 must be even"),
-    "stretch_with_plain_rope": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    "stretch_with_plain_rope": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
                                  "--multi-latent-attention", "--qk-layernorm", "--rope-type", "rope",
                                  "--rotary-scaling-factor", "4"], "Fix: --rope-type yarn"),
     "preset_and_flags": (["--model", "deepseek-debug", "--multi-latent-attention", "--qk-layernorm"],
                          "the preset and the flags both size the model"),
-    "group_topk_above_groups": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    "group_topk_above_groups": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
                                  "--multi-latent-attention", "--qk-layernorm", "--num-experts", "8",
                                  "--moe-router-topk", "2", "--moe-router-num-groups", "4", "--moe-router-group-topk",
                                  "5"], "group_topk=5 must be between 1 and num_groups=4"),
@@ -97,7 +99,7 @@ def test_flags_that_do_not_fit_are_one_line_naming_the_fix(case, capsys):
 def test_a_small_mla_model_from_flags_plans_for_expert_parallelism(capsys):
     """A laptop-size MLA MoE from Megatron's flags: the dry run plans EP4 with group-limited
     routing (4 groups on 4 ranks) and one MTP depth."""
-    flags = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+    flags = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", *LLAMA_BLOCK,
              "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "32", "--kv-lora-rank", "16",
              "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--num-experts", "8",
              "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*2)", "--moe-router-num-groups", "4",

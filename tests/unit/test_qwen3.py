@@ -110,7 +110,8 @@ def test_a_sliding_window_qwen3_is_refused_by_name(qwen3_dir, tmp_path):
 
 MEGATRON_QWEN3 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
                   "--num-query-groups", "2", "--kv-channels", "32", "--qk-layernorm", "--ffn-hidden-size", "96",
-                  "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                  "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+                  "--attention-dropout", "0", "--hidden-dropout", "0",
                   "--rotary-base", "1000000", "--seq-length", "32", "--max-position-embeddings", "64"]
 
 

@@ -13,7 +13,7 @@ from dtmega.models.family import Family, register_model_family
 
 DEEPSEEK = register_model_family(Family(
     name="dtmega-deepseek", passes=DTMEGA_DEEPSEEK, sizes=DEEPSEEK_SIZES, hf=(DEEPSEEK_HF,), megatron=DEEPSEEK_FLAGS,
-    multi_token_prediction=True,
+    multi_token_prediction=True, kv_cache=True,
     description="DeepSeek-V3: multi-latent attention, fine-grained experts with group-limited routing, MTP",
 ))
 

@@ -13,7 +13,7 @@ from dtmega.models.llama.model import Llama
 from dtmega.models.llama.specs import LLAMA_SIZES
 
 LLAMA = register_model_family(Family(
-    name="dtmega-llama", passes=DTMEGA_LLAMA, sizes=LLAMA_SIZES, hf=(LLAMA_HF,), megatron=LLAMA_FLAGS,
+    name="dtmega-llama", passes=DTMEGA_LLAMA, sizes=LLAMA_SIZES, hf=(LLAMA_HF,), megatron=LLAMA_FLAGS, kv_cache=True,
     description="Llama-3 decoders (GQA, SwiGLU, RMSNorm, RoPE), dense or with Mixtral/DeepSeek-style experts",
 ))
 

@@ -36,10 +36,26 @@ class WeightSource:
     head_dim: int = 0
     reorder: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     stacked: bool = False
+    # GPT-2's Conv1D layers store [in, out] (`transpose`) and fuse q, k, v in one tensor: dtmega's
+    # rows start at `offset` of the HF tensor's output dim; `hf_shape` is the HF tensor's shape
+    transpose: bool = False
+    offset: int = 0
+    hf_shape: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.heads and self.reorder is None:
             object.__setattr__(self, "reorder", hf_rows_to_dtmega)
+
+
+@dataclass(frozen=True)
+class HFPart:
+    """One piece of an HF tensor that several dtmega tensors fill (GPT-2's fused q/k/v `c_attn`):
+    piece `index` of `count`, concatenated along `dim` on export."""
+
+    index: int
+    count: int
+    dim: int
+    tensor: torch.Tensor
 
 
 def hf_rows_to_dtmega(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dtmega.models.qwen3.model import Qwen3
 from dtmega.models.qwen3.specs import QWEN3_SPECS
 
 QWEN3 = register_model_family(Family(
-    name="dtmega-qwen3", passes=DTMEGA_QWEN3, sizes=QWEN3_SPECS, hf=(QWEN3_HF,), megatron=QWEN3_FLAGS,
+    name="dtmega-qwen3", passes=DTMEGA_QWEN3, sizes=QWEN3_SPECS, hf=(QWEN3_HF,), megatron=QWEN3_FLAGS, kv_cache=True,
     description="Qwen3 dense: Llama's decoder with per-head q/k RMSNorm and a head width of its own",
 ))
 

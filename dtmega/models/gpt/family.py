@@ -1,0 +1,69 @@
+"""What the passes know of the GPT family: its shape facts, tensor/sequence-parallel rules (biases
+shard with their weights: a column-wise layer's bias is split, a row-wise layer's is added once
+after the reduction; learned positions and norms are whole on every rank), the attention core
+and the fusion sites."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtmega.models.gpt.model import GPT
+from dtmega.passes.families import ModelFacts, ModelFamily
+from dtmega.passes.fusion_sites import slot_sites
+from dtmega.passes.rules import Rule
+
+
+def _describe(model: GPT) -> ModelFacts:
+    c = model.config
+    return ModelFacts(
+        family="dtmega-gpt", n_heads=c.n_heads, head_dim=c.head_dim, n_kv_heads=c.kv_heads, vocab_size=c.vocab_size,
+        dim=c.dim, ffn_dim=c.hidden_ffn, blocks=tuple(f"layers.{name}" for name in model.layers),
+        embedding="embedding", output="output", final_norm="norm", tied_embeddings=c.tie_embeddings,
+        max_positions=c.max_seq_len,
+    )
+
+
+def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    if document_ids is not None:
+        return model(tokens, position_ids, document_ids=document_ids)
+    return model(tokens, position_ids)
+
+
+def _fusion_sites(model: GPT) -> dict[str, list[str]]:
+    """RMSNorm, RoPE and SwiGLU slots where the config has them (LayerNorm and GeLU run as torch's)."""
+    return slot_sites(model, [f"layers.{name}.ffn_norm" for name in model.layers])
+
+
+DTMEGA_GPT = ModelFamily(
+    name="dtmega-gpt",
+    matches=lambda model: isinstance(model, GPT),
+    describe=_describe,
+    tp_rules=(
+        Rule("embedding.word", "embedding", options={"residual": False}),  # positions are added to its output
+        Rule("embedding.position", "replicate"),  # positions whole on every rank, added after the reduction
+        Rule("layers.*.attention.wq", "colwise"),
+        Rule("layers.*.attention.wk", "colwise"),
+        Rule("layers.*.attention.wv", "colwise"),
+        Rule("layers.*.attention.wo", "rowwise"),
+        Rule("layers.*.feed_forward.w1", "colwise"),
+        Rule("layers.*.feed_forward.w3", "colwise"),
+        Rule("layers.*.feed_forward.w2", "rowwise"),
+        Rule("output", "output"),
+    ),
+    sp_rules=(
+        Rule("layers.*.attention_norm", "sequence_norm"),
+        Rule("layers.*.ffn_norm", "sequence_norm"),
+        Rule("norm", "sequence_norm"),
+        # dropout of the residual branches on this rank's positions (keys sliced to them)
+        Rule("layers.*.attention_dropout", "sequence_norm"),
+        Rule("layers.*.mlp_dropout", "sequence_norm"),
+        Rule("layers.*.attention", "gather_input", options={"args": 2}),
+        Rule("layers.*.feed_forward", "gather_input", module_type="MLP", options={"args": 1}),
+    ),
+    logits=_logits,
+    attention_core="attention.core",
+    document_kwarg="document_ids",
+    fusion_sites=_fusion_sites,
+)

@@ -15,6 +15,7 @@ import pytest
 from tests.corpus import make_texts, write_jsonl
 from tests.doc_blocks import ROOT, code_blocks, commands, excerpt_missing, one_process_dtmega_argv, scale_command
 from tests.task_models import LAMBADA_PASSAGES, wikitext_sample
+from tests.train_helpers import LLAMA_BLOCK
 
 BLOCKS = code_blocks()
 RUN = [b for b in BLOCKS if b.action in ("run", "excerpt")]
@@ -61,7 +62,7 @@ def sandbox(tmp_path_factory) -> Path:
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
          "--lr", "1e-3", "--data-path", "data/corpus_text_document", "--split", "90,10,0",
          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "data/tokenizer.json", "--save", "ckpt",
-         "--eval-iters", "1", "--swiglu"],
+         "--eval-iters", "1", *LLAMA_BLOCK],  # a Llama checkpoint: the pages convert it to LlamaForCausalLM
     ]
     for step in steps:
         _check(_run(step, root), " ".join(step[1:5]))

@@ -122,7 +122,15 @@ def test_megatrons_llama3_8b_fp8_line_is_taken_but_for_the_not_built_features(pa
     argv = _argv(dict(paths, data=paths["long"]))
     rows = _refused_rows(argv)
     flags = {flag for row in rows for flag in row.example if flag.startswith("--")}
-    assert {row.flags for row in rows} == {"--apply-layernorm-1p", "--decoupled-lr/--decoupled-min-lr", "--profile"}
+    assert {row.flags for row in rows} == {"--decoupled-lr/--decoupled-min-lr", "--profile"}
+    # no --normalization: Megatron's LayerNorm, zero-centred (--apply-layernorm-1p), with SwiGLU and RoPE
+    from dtmega.train.args import parse_train_args
+    from dtmega.train.prepare import model_of
+
+    spec, config = model_of(parse_train_args(argv)[0], 128256)
+    assert spec.family == "dtmega-gpt" and (config.normalization, config.layernorm_1p, config.activation,
+                                            config.position_embedding, config.bias) == \
+        ("LayerNorm", True, "swiglu", "rope", False)
     flags.add("--decoupled-min-lr")
     rest = _without(argv, flags)
     for row in rows:  # each alone on the rest of the line: refused with its reason, before any work
@@ -143,10 +151,10 @@ def test_the_llama3_8b_fp8_script_as_shipped_lists_every_refusal_in_one_dry_run(
     argv = _argv(paths, LLAMA3_MOCK_DATA)
     assert main(["train", *argv, "--dry-run", str(GPUS)]) == 2
     err = capsys.readouterr().err
-    assert "3 features this line asks for are not built yet" in err
+    assert "2 features this line asks for are not built yet" in err
     for row in _refused_rows(argv):
         assert f"  - {row.flags}: {row.reason}" in err
-    rest = _without(argv, {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--profile"})
+    rest = _without(argv, {"--decoupled-lr", "--decoupled-min-lr", "--profile"})
     train([*rest, "--dry-run", str(GPUS)])
     out = capsys.readouterr().out
     assert "Arguments, files and plan check out" in out

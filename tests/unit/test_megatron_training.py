@@ -44,7 +44,9 @@ LAUNCHES = {
 }
 # The model megatron_core_train.py builds, as dtmega train's flags
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--swiglu", "--norm-epsilon", "1e-5",
+         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout",
+         "0", "--norm-epsilon", "1e-5",
          "--untie-embeddings-and-output-weights", "--max-position-embeddings", "64", "--tokenizer-type",
          "NullTokenizer"]
 

@@ -200,3 +200,22 @@ def save_tiny_gpt2(directory: Path, seed: int = 0, tie: bool = True, activation:
     model.save_pretrained(directory, max_shard_size="100KB")
     _tokenizer(directory)
     return directory
+
+
+def greedy_three_ways(directory: Path, module, prompt: list[int], vocab_size: int, new_tokens: int):
+    """Greedy continuations of `prompt`: (transformers' `generate` on `directory`, dtmega's
+    `generate_tokens` with the KV cache, dtmega's model on the whole sequence each step)."""
+    from transformers import AutoModelForCausalLM
+
+    from dtmega.train.generate import generate_tokens
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        cached = generate_tokens(module, prompt, vocab_size=vocab_size, eod=None, max_new_tokens=new_tokens,
+                                 temperature=0.0).ids
+        tokens = list(prompt)
+        for _ in range(new_tokens):
+            tokens.append(int(module(torch.tensor([tokens]))[0, -1].argmax()))
+    return expected, cached, tokens[len(prompt):]

@@ -50,14 +50,7 @@ class Decoder(nn.Module):
         """(the last block's hidden states, the RoPE angles used, the documents' mask): the
         forward up to the final norm."""
         seq = tokens.shape[1]
-        documents = None
-        if document_ids is not None:
-            if cache is not None:
-                raise DtmegaError("document_ids with a KV cache: generation decodes one sequence per row. Fix: drop "
-                                  "document_ids when generating")
-            documents = document_mask(document_ids, self.document_backend)
-            if position_ids is None:
-                position_ids = positions_from_documents(document_ids)
+        documents, position_ids = self.packed_documents(position_ids, cache, document_ids)
         start = cache.length if cache is not None else 0
         if position_ids is None and start + seq > self.rope_cache.shape[0]:
             raise DtmegaError(
@@ -77,6 +70,18 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.advance(seq)
         return h, rope, documents
+
+    def packed_documents(self, position_ids: torch.Tensor | None, cache: KVCache | None,
+                         document_ids: torch.Tensor | None) -> tuple[object, torch.Tensor | None]:
+        """(the documents' attention mask, the position ids: restarting per document unless given)
+        for packed documents; (None, position_ids) without them. Refused with a KV cache."""
+        if document_ids is None:
+            return None, position_ids
+        if cache is not None:
+            raise DtmegaError("document_ids with a KV cache: generation decodes one sequence per row. Fix: drop "
+                              "document_ids when generating")
+        documents = document_mask(document_ids, self.document_backend)
+        return documents, positions_from_documents(document_ids) if position_ids is None else position_ids
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the output layer (where this pipeline stage has them)."""

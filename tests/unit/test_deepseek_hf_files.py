@@ -29,7 +29,7 @@ from dtmega.models.deepseek.hf_names import dtmega_state_from_hf, hf_state_from_
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
-from tests.hf_models import dequantized_fp8, quantize_fp8_blocks, save_tiny_deepseek_v3
+from tests.hf_models import dequantized_fp8, greedy_three_ways, quantize_fp8_blocks, save_tiny_deepseek_v3
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -57,7 +57,6 @@ def test_load_hf_logits_and_greedy_generation_equal_transformers(interleave, dee
     """`--load-hf`'s path (restore on one rank): logits equal transformers' for both RoPE
     layouts; greedy generation token-identical to transformers' `generate`, with the latent KV
     cache and without any cache; the note says the file holds no MTP layer."""
-    from transformers import AutoModelForCausalLM
 
     directory = deepseek_dir if interleave else save_tiny_deepseek_v3(tmp_path / "hf", rope_interleave=False)
     checkpoint = HFCheckpoint.open(directory)
@@ -69,17 +68,9 @@ def test_load_hf_logits_and_greedy_generation_equal_transformers(interleave, dee
     with torch.no_grad():
         ours = pm.forward(ids)
     assert relative_max(ours, transformers_logits(directory, ids)) < LOGITS_RTOL
-    prompt = ids[0, :9].tolist()
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        cached = generate_tokens(pm.module, prompt, vocab_size=checkpoint.config.vocab_size, eod=None,
-                                 max_new_tokens=10, temperature=0.0).ids
-        tokens = list(prompt)
-        for _ in range(10):  # no cache: the whole sequence each step
-            tokens.append(int(pm.module(torch.tensor([tokens]))[0, -1].argmax()))
-    assert cached == expected == tokens[len(prompt):]
+    expected, cached, uncached = greedy_three_ways(directory, pm.module, ids[0, :9].tolist(), checkpoint.config.vocab_size,
+                                                   10)
+    assert cached == expected == uncached
 
 
 def test_generate_command_takes_a_deepseek_directory(deepseek_dir, capsys):

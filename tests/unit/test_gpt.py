@@ -29,7 +29,7 @@ from dtmega.models.gpt.hf_config import gpt_config_from_hf, hf_config_from_gpt
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
-from tests.hf_models import save_tiny_gpt2
+from tests.hf_models import greedy_three_ways, save_tiny_gpt2
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -64,7 +64,6 @@ def test_named_sizes_have_transformers_parameter_counts(name):
 
 
 def test_load_hf_logits_and_greedy_generation_equal_transformers(gpt2_dir):
-    from transformers import AutoModelForCausalLM
 
     checkpoint = HFCheckpoint.open(gpt2_dir)
     assert checkpoint.model == "gpt" and checkpoint.config.tie_embeddings
@@ -74,17 +73,9 @@ def test_load_hf_logits_and_greedy_generation_equal_transformers(gpt2_dir):
     with torch.no_grad():
         ours = pm.forward(ids)
     assert relative_max(ours, transformers_logits(gpt2_dir, ids)) < LOGITS_RTOL
-    prompt = ids[0, :9].tolist()
-    hf = AutoModelForCausalLM.from_pretrained(gpt2_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        cached = generate_tokens(pm.module, prompt, vocab_size=checkpoint.config.vocab_size, eod=None,
-                                 max_new_tokens=12, temperature=0.0).ids
-        tokens = list(prompt)
-        for _ in range(12):  # no cache: the whole sequence each step
-            tokens.append(int(pm.module(torch.tensor([tokens]))[0, -1].argmax()))
-    assert cached == expected == tokens[len(prompt):]
+    expected, cached, uncached = greedy_three_ways(gpt2_dir, pm.module, ids[0, :9].tolist(), checkpoint.config.vocab_size,
+                                                   12)
+    assert cached == expected == uncached
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

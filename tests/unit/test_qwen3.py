@@ -23,9 +23,8 @@ from dtmega.interop.hf_checkpoint import HFCheckpoint
 from dtmega.models import model_spec
 from dtmega.models.qwen3 import QWEN3_SIZES, Qwen3
 from dtmega.models.qwen3.hf_config import hf_config_from_qwen3, qwen3_config_from_hf
-from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
-from tests.hf_models import save_tiny_qwen3
+from tests.hf_models import greedy_three_ways, save_tiny_qwen3
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -63,7 +62,6 @@ def test_named_sizes_have_transformers_parameter_counts(name):
 
 
 def test_load_hf_logits_and_greedy_generation_equal_transformers(qwen3_dir):
-    from transformers import AutoModelForCausalLM
 
     checkpoint = HFCheckpoint.open(qwen3_dir)
     assert checkpoint.model == "qwen3" and checkpoint.config.head_dim == 32 and checkpoint.config.tie_embeddings
@@ -73,17 +71,9 @@ def test_load_hf_logits_and_greedy_generation_equal_transformers(qwen3_dir):
     with torch.no_grad():
         ours = pm.forward(ids)
     assert relative_max(ours, transformers_logits(qwen3_dir, ids)) < LOGITS_RTOL
-    prompt = ids[0, :9].tolist()
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        cached = generate_tokens(pm.module, prompt, vocab_size=checkpoint.config.vocab_size, eod=None,
-                                 max_new_tokens=12, temperature=0.0).ids
-        tokens = list(prompt)
-        for _ in range(12):  # no cache: the whole sequence each step
-            tokens.append(int(pm.module(torch.tensor([tokens]))[0, -1].argmax()))
-    assert cached == expected == tokens[len(prompt):]
+    expected, cached, uncached = greedy_three_ways(qwen3_dir, pm.module, ids[0, :9].tolist(), checkpoint.config.vocab_size,
+                                                   12)
+    assert cached == expected == uncached
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtmega.init import InitSpec
-from dtmega.kernels.document_attention import document_attention, document_mask, positions_from_documents
+from dtmega.kernels.document_attention import document_attention
 from dtmega.kernels.errors import DtmegaError
 from dtmega.models.decoder import Decoder
 from dtmega.models.gpt.config import GPTConfig
@@ -310,14 +310,7 @@ class GPT(Decoder):
               document_ids: torch.Tensor | None = None, sample_ids: torch.Tensor | None = None):
         """(the last block's hidden states, the RoPE angles used, the documents' mask)."""
         batch, seq = tokens.shape[:2]
-        documents = None
-        if document_ids is not None:
-            if cache is not None:
-                raise DtmegaError("document_ids with a KV cache: generation decodes one sequence per row. Fix: drop "
-                                  "document_ids when generating")
-            documents = document_mask(document_ids, self.document_backend)
-            if position_ids is None:
-                position_ids = positions_from_documents(document_ids)
+        documents, position_ids = self.packed_documents(position_ids, cache, document_ids)
         start = cache.length if cache is not None else 0
         if position_ids is None and start + seq > self.config.max_seq_len:
             raise DtmegaError(f"{start + seq} positions, but the model has {self.config.max_seq_len} (the config's "

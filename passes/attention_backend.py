@@ -130,11 +130,16 @@ class AttentionBackend(Pass):
                             f"query/key heads; this model's are {latent.v_head_dim} and "
                             f"{latent.qk_nope_head_dim + latent.qk_rope_head_dim} wide. Fix: --attention-backend fused, "
                             "unfused or auto")
-        if name != "auto":
+        if name not in ("auto", "math"):
             refuse_dropping_cores(program, free, f"AttentionBackend({self.backend!r})",
-                                  "--attention-backend auto (the core keeps its own attention), or --attention-dropout 0")
+                                  "--attention-backend unfused (plain math, which drops as Megatron's unfused "
+                                  "attention does), auto (the core keeps its own attention), or --attention-dropout 0")
         dropping = [fqn for fqn in free if float(getattr(program.modules.get(fqn), "attention_dropout_p", 0) or 0) > 0]
-        if dropping:
+        if dropping and name == "math":  # Megatron's unfused attention: the core's own dropped path is that math
+            program.note(f"AttentionBackend({self.backend!r}): {len(dropping)} attention cores drop attention "
+                         "probabilities in training: they compute them in plain math, as Megatron's unfused attention "
+                         "does (the math kernel where nothing is dropped)")
+        elif dropping:
             program.note(f"AttentionBackend(auto): {len(dropping)} attention cores drop attention probabilities in "
                          "training and keep their own attention (SDPA where nothing is dropped)")
             free = [fqn for fqn in free if fqn not in dropping]
@@ -197,7 +202,12 @@ class BackendCore(nn.Module):
         super().__init__()
         self.inner, self.backend = inner, backend
 
-    def forward(self, q, k, v, q_offset=0, documents=None):
-        if documents is not None or isinstance(q_offset, torch.Tensor) or q_offset:
-            return self.inner(q, k, v, q_offset=q_offset, documents=documents)
+    def forward(self, q, k, v, q_offset=0, documents=None, **dropout):
+        # `dropout` (keys=, head_offset=): a GPT core's plan-independent dropout. A core that drops
+        # in training computes its probabilities itself, in plain math; annotate allows that only
+        # for the math backend (Megatron's unfused), so no other choice is silently replaced.
+        drops = (dropout.get("keys") is not None and self.inner.training
+                 and float(getattr(self.inner, "attention_dropout_p", 0) or 0) > 0)
+        if documents is not None or isinstance(q_offset, torch.Tensor) or q_offset or drops:
+            return self.inner(q, k, v, q_offset=q_offset, documents=documents, **dropout)
         return causal_attention(self.backend, q, k, v)

@@ -141,10 +141,15 @@ def _annotate_moe(entry, module, axis, size, options):
 EXPERT_HIDDEN_DIMS = {"w1": 1, "w3": 1, "w2": 2}
 
 
+def expert_hidden_dims(module: nn.Module) -> dict[str, int]:
+    """EXPERT_HIDDEN_DIMS of the weights `module` has (GeLU experts have no w3)."""
+    return {name: dim for name, dim in EXPERT_HIDDEN_DIMS.items() if getattr(module, name, None) is not None}
+
+
 def _annotate_expert_hidden(entry, module, axis, size, options):
     hidden = getattr(module, "w1").shape[1]
     _require_divisible("expert hidden size (moe ffn_dim)", hidden, axis, size, entry.type)
-    _set_params(entry, axis, {name: shard(dim) for name, dim in EXPERT_HIDDEN_DIMS.items()})
+    _set_params(entry, axis, {name: shard(dim) for name, dim in expert_hidden_dims(module).items()})
     entry.outputs[axis] = f"{PARTIAL}->{REPLICATE}"
 
 
@@ -225,7 +230,7 @@ class ExpertHiddenParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.distribute:
-            for name, dim in EXPERT_HIDDEN_DIMS.items():
+            for name, dim in expert_hidden_dims(module).items():
                 param = getattr(module, name)
                 sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
                 setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))

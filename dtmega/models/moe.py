@@ -26,25 +26,38 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as [E, ...] weights (nn.Linear layout per expert)."""
+    """E experts stored as [E, ...] weights (nn.Linear layout per expert): SwiGLU (w1 gate, w3 up,
+    w2 down), or a GeLU / squared-ReLU MLP (w1 up, w2 down; no w3), all without biases."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, grouped: bool = True):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, grouped: bool = True,
+                 activation: str = "swiglu", gelu_approximate: str = "none"):
         super().__init__()
         self.grouped = grouped
+        self.activation, self.gelu_approximate = activation, gelu_approximate
         self.tp_mesh = None  # set when each rank holds a slice of every expert's hidden dim
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if activation == "swiglu":
+            self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        else:
+            self.register_parameter("w3", None)
+
+    def _hidden(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        up = grouped_mm(x, _local(self.w1), counts, self.grouped)
+        if self.activation == "swiglu":
+            return F.silu(up) * grouped_mm(x, _local(self.w3), counts, self.grouped)
+        if self.activation == "gelu":
+            return F.gelu(up, approximate=self.gelu_approximate)
+        return F.relu(up).square()  # squared ReLU
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, D] rows sorted by (local) expert, counts [e] rows per expert -> [N, D]. Under
         expert or expert-tensor parallelism the weights are this rank's shards."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        x = x.to(w1.dtype)
+        w2 = _local(self.w2)
+        x = x.to(w2.dtype)
         if self.tp_mesh is not None:  # each hidden-dim shard gives a partial input gradient: sum them
             x = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        hidden = F.silu(grouped_mm(x, w1, counts, self.grouped)) * grouped_mm(x, w3, counts, self.grouped)
-        out = grouped_mm(hidden, w2, counts, self.grouped)
+        out = grouped_mm(self._hidden(x, counts), w2, counts, self.grouped)
         if self.tp_mesh is not None:  # partial sums over the hidden-dim shards
             partial = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
             out = partial.redistribute(placements=[Replicate()]).to_local().clone()  # not a view: FSDP hooks it
@@ -67,13 +80,15 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Token-choice top-k mixture of SwiGLU experts (+ shared experts) for x [B, S, D]."""
+    """Token-choice top-k mixture of experts (SwiGLU, GeLU or squared-ReLU; + shared experts) for
+    x [B, S, D]."""
 
     def __init__(self, dim: int, config: MoEConfig):
         super().__init__()
         self.config = config
         self.router = Router(dim, config)
-        self.experts = GroupedExperts(config.num_experts, dim, config.ffn_dim, config.grouped_gemm)
+        self.experts = GroupedExperts(config.num_experts, dim, config.ffn_dim, config.grouped_gemm,
+                                      config.activation, config.gelu_approximate)
         self.shared_experts = FeedForward(dim, config.shared_expert_ffn_dim) if config.shared_expert_ffn_dim else None
         self.dispatcher = LocalDispatcher(config.num_experts)
         self.groups = TokenGroups()
@@ -89,7 +104,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(batch * seq, dim)
-        routing = self.router(tokens, batch, seq)
+        routing = self.router(tokens, batch, seq, self.groups)
         loss = None
         # Balancing and its statistics are about training steps: not evaluation, not shape
         # inference on stand-in tensors.

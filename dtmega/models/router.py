@@ -68,12 +68,15 @@ class Router(nn.Module):
             self.expert_bias = torch.zeros(self.config.num_experts, device=device)
             self.tokens_per_expert = torch.zeros(self.config.num_experts, device=device)
 
-    def forward(self, x: torch.Tensor, batch: int, seq: int) -> Routing:
-        """Routes the T = batch*seq tokens of `x` [T, D]."""
+    def forward(self, x: torch.Tensor, batch: int, seq: int, groups: TokenGroups | None = None) -> Routing:
+        """Routes the T = batch*seq tokens of `x` [T, D] (`groups`: the ranks holding the rest of
+        the micro-batch, which Sinkhorn routing balances over)."""
         c = self.config
         weight = self.gate.weight
         dtype = accumulation_dtype(x.dtype)  # fp32 routing for bf16 models, float64 for float64 ones
         logits = F.linear(x.to(dtype), weight.to(dtype))
+        if c.load_balancing == "sinkhorn":
+            return self._sinkhorn_routing(logits, batch, seq, groups)
         raw = torch.sigmoid(logits) if c.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = raw.detach()
         if c.expert_bias:
@@ -93,6 +96,22 @@ class Router(nn.Module):
         probs = probs * c.route_scale
         keep = None if c.capacity_factor is None else self._capacity_keep(probs.detach(), ids, batch, seq)
         return Routing(probs, ids, keep, scores, logits)
+
+    def _sinkhorn_routing(self, logits: torch.Tensor, batch: int, seq: int, groups: TokenGroups | None) -> Routing:
+        """Megatron's Sinkhorn router: in training the experts are the top-k of the micro-batch's
+        Sinkhorn-balanced scores (no gradient), at evaluation the top-k of the weights; the
+        weights are sigmoid(logits) for top-1, softmax(logits) otherwise, not renormalized."""
+        c = self.config
+        weights = torch.sigmoid(logits) if c.top_k == 1 else torch.softmax(logits, dim=-1)
+        if self.training:
+            with torch.no_grad():
+                balanced = sinkhorn(logits.float(), groups.batch if groups is not None else None)
+            ids = torch.topk(balanced, c.top_k, dim=-1).indices
+        else:
+            ids = torch.topk(weights.detach(), c.top_k, dim=-1).indices
+        probs = weights.gather(1, ids) * c.route_scale
+        keep = None if c.capacity_factor is None else self._capacity_keep(probs.detach(), ids, batch, seq)
+        return Routing(probs, ids, keep, torch.softmax(logits, dim=-1), logits)
 
     def _capacity_keep(self, probs: torch.Tensor, ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """Which assignments fit: per sequence, each expert keeps `capacity` of its tokens."""
@@ -117,6 +136,29 @@ class Router(nn.Module):
         self.expert_bias += torch.sign(offset) * self.config.bias_update_rate
 
 
+def sinkhorn(logits: torch.Tensor, group=None, tol: float = 1e-4, max_iterations: int = 10_000) -> torch.Tensor:
+    """Megatron's Sinkhorn balancing of exp(logits) [T, E] over every token of the micro-batch:
+    this rank's T rows and, through `group`, the other ranks' (each column sum is all-reduced
+    and the row scale is over the global token count, so a sharded micro-batch balances exactly
+    as the whole one). Iterates until the column scales move by less than `tol` on average, as
+    Megatron does; every rank sees the same column scales, so every rank stops at the same step."""
+    cost = torch.exp(logits)
+    tokens = torch.tensor(float(cost.shape[0]), dtype=cost.dtype, device=cost.device)
+    _all_reduce(tokens, group)
+    experts = cost.shape[1]
+    eps = 1e-8
+    d1 = torch.ones(experts, dtype=cost.dtype, device=cost.device)
+    for _ in range(max_iterations):
+        d0 = (1 / tokens) / (cost @ d1 + eps)
+        columns = _all_reduce((d0.unsqueeze(1) * cost).sum(0), group)
+        new_d1 = (1 / experts) / (columns + eps)
+        error = torch.mean(torch.abs(d1 - new_d1)).item()
+        d1 = new_d1
+        if error <= tol:
+            break
+    return d1 * cost * d0.unsqueeze(1)
+
+
 def limit_to_best_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
     """`choice` [T, E] with every expert outside each token's best `group_topk` groups set to
     -inf; a group's score is the sum of its two best choice scores (one for one-expert groups)."""
@@ -138,7 +180,7 @@ def balancing_loss(routing: Routing, config: MoEConfig, batch: int, seq: int, gr
     gradient, so a rank's share is its tokens' part of P_e times the global f_e.
     """
     c = config
-    balance = c.load_balancing != "none" and c.aux_loss_coeff > 0
+    balance = c.load_balancing not in ("none", "sinkhorn") and c.aux_loss_coeff > 0
     if not balance and c.z_loss_coeff == 0:
         return None
     experts, top_k, tokens = c.num_experts, c.top_k, batch * seq

@@ -105,8 +105,36 @@ NOTED_FLAGS = {
                   "streak), and --check-for-spiky-loss re-runs a spiking step once to tell data from a transient fault",
     "use_cpu_initialization": "the model is built on the meta device and each rank initializes only its own shards "
                               "(the values of an unsharded init), so no rank ever holds a full copy",
+    # checkpoint I/O strategies of Megatron's dist-checkpointing: DCP here does each of them itself
+    "use_persistent_ckpt_worker": "Megatron keeps one writer process alive instead of forking one per --async-save; "
+                                  "dtmega's --async-save writes from a thread of the training process (DCP's "
+                                  "async_save), so there is no process to fork or keep",
+    "dist_ckpt_optim_fully_reshardable": "the optimizer state is always saved as DTensors in DCP, which any later "
+                                         "TP/PP/DP/FSDP layout reads back (tests/distributed/test_training.py "
+                                         "resumes across plans)",
+    "ckpt_fully_parallel_save": "DCP's save planner always spreads the writes of replicated shards over the ranks "
+                                "holding them",
+    "no_ckpt_fully_parallel_save": "only changes which rank writes a replicated shard: DCP's planner spreads them "
+                                   "over the ranks holding them",
+    "ckpt_fully_parallel_load": "each rank reads only its own shards from the DCP directory",
+    "ckpt_assume_constant_structure": "a speed hint (reuse the save plan between saves); DCP plans each save afresh, "
+                                      "which writes the same checkpoint",
+    "async_strategy": "Megatron's choice of asynchronous-save engine (nvrx or mcore); --async-save here is DCP's "
+                      "async_save, one engine",
+    "async_ckpt_use_cpu_shm": "Megatron's staging of --async-save copies in shared memory for its writer process; "
+                              "DCP's async_save stages in this process's host memory",
+    "verify_integrity": "every dtmega checkpoint holds a manifest of each file's size and CRC-32, verified at every "
+                        "load (a damaged checkpoint is named and an older intact one used: docs/checkpoints.md)",
+    "use_tp_pp_dp_mapping": "Megatron's order of ranks in its groups (TP, PP, then DP); dtmega's mesh orders them as "
+                            "dtmega.make_mesh does (PP outermost, TP innermost): which ranks share a group changes, "
+                            "not what any rank computes",
+    "ddp_average_in_collective": "gradients are averaged over the data-parallel ranks by the reduction itself here "
+                                 "(FSDP2's reduce-scatter and DDP's all-reduce average), the same mean",
+    "apply_query_key_layer_scaling": "Megatron divides Q·Kᵀ by the layer number and multiplies it back inside an fp32 "
+                                     "softmax (for fp16 range): the same probabilities; torch's attention kernels "
+                                     "keep the scores in fp32 already",
 }
-_NOTED_WITH_VALUE = {"distributed_backend", "num_workers", "fp8_interval", "rerun_mode"}
+_NOTED_WITH_VALUE = {"distributed_backend", "num_workers", "fp8_interval", "rerun_mode", "async_strategy"}
 
 def _base_type(annotation: str) -> type:
     text = str(annotation)

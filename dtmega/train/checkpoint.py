@@ -20,6 +20,7 @@ outside DIR.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -101,16 +102,20 @@ class SaveInProgress:
     `iter_*` and points `latest` at it: a run that dies before `finish` leaves `latest` as it was."""
 
     def __init__(self, root: Path, final: Path, partial: Path, write: Future | None, problem: str | None,
-                 own_files: dict[str, Any]):
+                 own_files: dict[str, Any], retain_interval: int | None = None):
         self.root, self.final, self.partial = root, final, partial
         self._write, self._problem, self._own_files = write, problem, own_files
+        self.retain_interval = retain_interval
 
     @classmethod
     def start(cls, root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
               state: dict[str, Any], tokenizer_json: str | None = None, runtime: dict[str, torch.Tensor] | None = None,
-              allow_older: bool = False, background_group: dist.ProcessGroup | None | bool = False) -> SaveInProgress:
+              allow_older: bool = False, background_group: dist.ProcessGroup | None | bool = False,
+              retain_interval: int | None = None) -> SaveInProgress:
         """Begins the save; `background_group`: False writes here, None or a (gloo) group writes
-        in the background (None: the default group, for a single process)."""
+        in the background (None: the default group, for a single process). `retain_interval`
+        (Megatron's --save-retain-interval): once published, the checkpoint `latest` named before
+        is deleted unless its step is a multiple of it."""
         root = Path(root)
         final = root / f"iter_{iteration:07d}"
         partial = root / f".{final.name}.partial"
@@ -137,7 +142,7 @@ class SaveInProgress:
             problem = _write_shards(lambda: dcp.save(shards, checkpoint_id=str(partial)))
         else:  # staged: DCP copies every shard to host memory before it returns, then writes the copy
             write = dcp.async_save(shards, checkpoint_id=str(partial), process_group=background_group)
-        return cls(root, final, partial, write, problem, own_files)
+        return cls(root, final, partial, write, problem, own_files, retain_interval)
 
     def written(self) -> bool:
         """Whether this rank's shards are on disk (always, for a save written in place)."""
@@ -162,6 +167,7 @@ class SaveInProgress:
 
         def publish() -> None:
             if _leader():
+                previous = latest_target(root)[0] if (root / LATEST).exists() else None
                 if final.is_symlink():  # an iter_* linked from elsewhere: the link goes, its target stays untouched
                     final.unlink()
                 elif final.exists():  # saving the same iteration again: swap the old one out first
@@ -171,6 +177,7 @@ class SaveInProgress:
                     shutil.rmtree(stale)
                 os.replace(partial, final)
                 _write_atomic(root / LATEST, final.name)
+                retire_unretained(previous, final, self.retain_interval)
 
         if problem is None:
             problem = _attempt(write_own_files, rank)
@@ -179,6 +186,21 @@ class SaveInProgress:
                        final)
         _fail_together(_attempt(publish, rank), root, partial, final)
         return final
+
+
+def retire_unretained(previous: Path | None, published: Path, retain_interval: int | None) -> None:
+    """--save-retain-interval N, as Megatron: once `published` is the latest, the checkpoint that
+    was latest before it is deleted unless its step is a multiple of N (so the newest and every
+    N-th step remain). A linked iter_* loses only its link; nothing else in the directory is touched."""
+    if retain_interval is None or previous is None or previous.resolve() == published.resolve():
+        return
+    step = int(previous.name.removeprefix("iter_"))
+    if step <= 0 or step % retain_interval == 0:
+        return
+    if previous.is_symlink():
+        previous.unlink()
+    else:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def _write_shards(write: Callable[[], Any]) -> str | None:
@@ -357,7 +379,19 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeline_group=None) -> None:
+# --dist-ckpt-strictness (Megatron's values): which key mismatches stop a load, and which are logged
+# (a key in the checkpoint and not in the model is never read; one in the model and not in the
+# checkpoint keeps its initialized value). A shape mismatch always stops it.
+RAISES_UNEXPECTED = {"raise_unexpected", "raise_all"}
+RAISES_MISSING = {"raise_all", "raise_unexpected", "log_unexpected", "assume_ok_unexpected", "return_unexpected"}
+LOGS = {"log_unexpected", "log_all"}
+
+
+def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeline_group=None,
+                  strictness: str = "raise_all") -> tuple[list[str], list[str]]:
+    """Raises CheckpointError for a shape mismatch and for the key mismatches `strictness` does
+    not allow; logs those it allows under log_*; returns (this rank's model keys the checkpoint
+    lacks, those of every pipeline stage): allowed only by log_all, return_all and ignore_all."""
     saved = {
         key.removeprefix("model."): tuple(meta.size)
         for key, meta in read_dcp_metadata(checkpoint).state_dict_metadata.items()
@@ -366,9 +400,11 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
     current = {key: tuple(value.shape) for key, value in model_state.items()}
     if pipeline_group is not None:  # each stage holds part of the model: compare the union
         current = {key: shape for stage in gather_objects(current, pipeline_group) for key, shape in stage.items()}
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
+    all_missing = sorted(set(current) - set(saved))
+    all_unexpected = sorted(set(saved) - set(current))
     different = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
+    missing = all_missing if strictness in RAISES_MISSING else []
+    unexpected = all_unexpected if strictness in RAISES_UNEXPECTED else []
     if missing or unexpected or different:
         lines = [f"{checkpoint} was saved from a different model:"]
         for names, describe in (
@@ -379,8 +415,18 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
             lines += [f"  {k}: {describe(k)}" for k in names[:20]]
             if len(names) > 20:
                 lines.append(f"  ... and {len(names) - 20} more like these")
-        lines.append("Fix: build the model with the checkpoint's configuration (its state.json), or load another checkpoint")
+        lines.append("Fix: build the model with the checkpoint's configuration (its state.json), or load another "
+                     "checkpoint" + ("" if different else "; --dist-ckpt-strictness log_all loads the keys both hold"))
         raise CheckpointError("\n".join(lines))
+    if strictness in LOGS and (all_unexpected or (all_missing and strictness == "log_all")):
+        logger = logging.getLogger("dtmega.checkpoint")
+        if all_unexpected:
+            logger.warning("--dist-ckpt-strictness %s: %d key(s) of %s are not in the model and were not read: %s",
+                           strictness, len(all_unexpected), checkpoint, ", ".join(all_unexpected[:20]))
+        if all_missing:
+            logger.warning("--dist-ckpt-strictness log_all: %d model key(s) are not in %s and keep their initialized "
+                           "values: %s", len(all_missing), checkpoint, ", ".join(all_missing[:20]))
+    return sorted(set(model_state) - set(saved)), all_missing
 
 
 def _load_rng(path: Path) -> dict[str, Any]:
@@ -411,19 +457,27 @@ def load_runtime_state(path: str | Path, template: dict[str, torch.Tensor]) -> d
 
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-    restore_rng: bool = True, pipeline_group=None,
+    restore_rng: bool = True, pipeline_group=None, strictness: str = "raise_all",
 ) -> dict[str, Any]:
     """Loads `path` into `model` (and `optimizer`), resharding to the current plan; returns the
     saved state. Shapes are checked first, so a mismatch fails on every rank before any I/O.
-    Under pipeline parallelism `model` holds this rank's stages; pass the `pipeline_group`."""
+    Under pipeline parallelism `model` holds this rank's stages; pass the `pipeline_group`.
+    `strictness` is Megatron's --dist-ckpt-strictness (RAISES_UNEXPECTED, RAISES_MISSING above)."""
     checkpoint = resolve_checkpoint(path)
     state = read_state(checkpoint)
     shards: dict[str, Any] = {"model": get_model_state_dict(model)}
-    _check_shapes(checkpoint, shards["model"], pipeline_group)
+    missing, every_stage_missing = _check_shapes(checkpoint, shards["model"], pipeline_group, strictness)
+    if every_stage_missing and optimizer is not None:  # the same on every rank: no rank goes on alone
+        raise CheckpointError(f"{checkpoint} lacks {len(every_stage_missing)} of the model's weights (e.g. "
+                              f"{every_stage_missing[0]}), so it has "
+                              "no optimizer state for them. Fix: add --no-load-optim (a fresh optimizer) or "
+                              "--finetune to load the weights it holds")
+    for key in missing:  # not read: these keep their initialized values
+        del shards["model"][key]
     if optimizer is not None:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
     load_dcp(shards, checkpoint)
-    set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=not missing))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, shards["optimizer"], options=OPTIMIZER_OPTIONS)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class CheckpointArgs:
     """Checkpoints, evaluation, logging and the collective timeout."""
     # sizes and counts that must be >= 1 when given (None: derive it)
-    at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "eval_interval", "log_interval",
+    at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "save_retain_interval", "eval_interval", "log_interval",
         "straggler_minmax_count", "exit_interval")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed", "manual_gc_interval")
@@ -38,6 +38,9 @@ class CheckpointArgs:
                                               "(another run's, or ones further along than --load): start over there "
                                               "on purpose; without it such a --save is refused")
     save_interval: int | None = _opt(None, "steps between checkpoints (and one at the end)")
+    save_retain_interval: int | None = _opt(None, "keep only the newest checkpoint and those at multiples of this "
+                                                  "many steps: each save deletes the previous latest unless its step "
+                                                  "is such a multiple (a multiple of --save-interval)")
     async_save: bool = _opt(False, "write the --save-interval checkpoints in the background (DCP's async_save: the "
                                    "shards are copied to host memory, then written while training goes on; the "
                                    "checkpoint is published at the first step every rank has written it). The final "

@@ -33,6 +33,9 @@ class FusionArgs:
                                                "or auto: the fastest for the run's shapes on this GPU, measured once "
                                                "and kept in $DTMEGA_CACHE_DIR (default on a GPU; on a CPU torch "
                                                "picks)", ("auto", "flash", "fused", "unfused", "local"))
+    deterministic_mode: bool = _opt(False, "only deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's "
+                                           "fixed workspace): a rerun computes the same bits, and an op with no "
+                                           "deterministic kernel raises naming itself (Megatron's --deterministic-mode)")
 
     def attention_passes(self) -> list[Pass]:
         """AttentionBackend for --attention-backend; without the flag, `auto` where a GPU can

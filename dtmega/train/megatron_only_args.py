@@ -39,8 +39,11 @@ class MegatronOnlyArgs:
     enable_cuda_graph: bool = opt(False, "Megatron's CUDA graphs of the training step (not supported by the trainer "
                                          "yet; dtmega.capture_step from Python)")
     cuda_graph_scope: str | None = opt(None, "what Megatron captures in CUDA graphs (not supported by the trainer yet)")
-    dist_ckpt_strictness: str = opt("raise_all", "how a load treats keys missing from or unexpected in the "
-                                                 "checkpoint (only raise_all, dtmega's strict load, is supported)",
+    dist_ckpt_strictness: str = opt("raise_all", "how --load treats keys missing from or unexpected in the "
+                                                 "checkpoint: raise_* stop the load naming them, log_* list them "
+                                                 "and go on (a key the checkpoint lacks keeps its initialized "
+                                                 "value: log_all, return_all, ignore_all), the rest go on silently; "
+                                                 "a shape mismatch always stops it",
                                     ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
                                      "raise_all", "return_unexpected", "return_all", "ignore_all"))
     recompute_modules: list[str] | None = opt(None, "modules selective recompute covers (only core_attn, Megatron's "

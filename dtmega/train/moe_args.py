@@ -31,8 +31,10 @@ class MoEArgs:
     moe_router_score_function: str = _opt("softmax", "router scores", ("softmax", "sigmoid"))
     moe_router_pre_softmax: bool = _opt(False, "softmax over all experts before top-k (default: over the k chosen)")
     moe_router_topk_scaling_factor: float | None = _opt(None, "multiply the routing weights by this")
-    moe_router_load_balancing_type: str = _opt("aux_loss", "balancing loss: over the micro-batch, per sequence, none",
-                                               ("aux_loss", "seq_aux_loss", "none"))
+    moe_router_load_balancing_type: str = _opt("aux_loss", "balancing: a loss over the micro-batch (aux_loss), per "
+                                                           "sequence (seq_aux_loss), Megatron's Sinkhorn routing "
+                                                           "(sinkhorn: balanced choices, no loss), or none",
+                                               ("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
     moe_aux_loss_coeff: float = _opt(0.0, "weight of the load-balancing loss")
     moe_z_loss_coeff: float | None = _opt(None, "weight of the router z-loss")
     moe_router_enable_expert_bias: bool = _opt(False, "auxiliary-loss-free balancing: a per-expert routing bias")

@@ -146,10 +146,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.megatron_fsdp_main_grads_dtype == "bf16",
              "accumulating gradients in bf16 is not supported yet (they accumulate in fp32). Fix: "
              "--megatron-fsdp-main-grads-dtype fp32, or leave it out"),
-    NotBuilt("--dist-ckpt-strictness other than raise_all", ("--dist-ckpt-strictness", "log_all"),
-             lambda a: a.dist_ckpt_strictness != "raise_all",
-             "loading a checkpoint whose keys do not match the model is not supported (a load is strict: a missing "
-             "or unexpected key stops it, naming the key). Fix: --dist-ckpt-strictness raise_all, or leave it out"),
     NotBuilt("--rampup-batch-size --step-batch-size-schedule", ("--rampup-batch-size", "4", "4", "64"),
              lambda a: a.rampup_batch_size is not None or a.step_batch_size_schedule is not None,
              "a growing batch size is not supported yet. Fix: leave the schedule out (--global-batch-size is used "

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 class PipelineArgs:
     """Pipeline parallelism: the size, and how blocks split into stages and which schedule runs."""
     # sizes and counts that must be >= 1 when given (None: derive it)
-    at_least_one: ClassVar[tuple[str, ...]] = ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+    at_least_one: ClassVar[tuple[str, ...]] = ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                                               "num_virtual_stages_per_pipeline_rank")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 
@@ -29,6 +30,9 @@ class PipelineArgs:
                                          ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                                           "zbv", "dualpipev"))
     num_layers_per_virtual_pipeline_stage: int | None = _opt(None, "blocks per virtual stage (interleaved schedules)")
+    num_virtual_stages_per_pipeline_rank: int | None = _opt(None, "virtual stages per pipeline rank (interleaved "
+                                                                  "schedules; the other way to say the same split, "
+                                                                  "needed when the embedding or loss take a slot)")
     decoder_first_pipeline_num_layers: int | None = _opt(None, "blocks on the first pipeline stage (uneven split)")
     decoder_last_pipeline_num_layers: int | None = _opt(None, "blocks on the last pipeline stage (uneven split)")
     account_for_embedding_in_pipeline_split: bool = _opt(False, "the embedding takes one block's slot in the split")
@@ -45,7 +49,12 @@ class PipelineArgs:
                 raise ArgumentError(f"pipeline options ({', '.join(given)}) need --pipeline-model-parallel-size > 1")
             return []
         virtual = 1
-        if self.num_layers_per_virtual_pipeline_stage:
+        if self.num_virtual_stages_per_pipeline_rank:
+            if self.num_layers_per_virtual_pipeline_stage:
+                raise ArgumentError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage "
+                                    "both say how many virtual stages each rank runs. Fix: keep one")
+            virtual = self.num_virtual_stages_per_pipeline_rank
+        elif self.num_layers_per_virtual_pipeline_stage:
             per = self.num_layers_per_virtual_pipeline_stage
             if n_layers % (per * shape.pp):
                 raise ArgumentError(

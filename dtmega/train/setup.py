@@ -50,6 +50,11 @@ def reject_unsupported(args: TrainArgs) -> None:
     if loading and not args.load:
         raise ArgumentError(f"{', '.join(loading)} say(s) how to load --load, which is not given. Fix: add --load "
                             "CHECKPOINT_DIR (a Hugging Face model is loaded weights-only by --load-hf already)")
+    retain, every = args.save_retain_interval, args.save_interval or 1
+    if retain is not None and retain % every:
+        raise ArgumentError(f"--save-retain-interval {retain} is not a multiple of --save-interval {every}, so no "
+                            f"checkpoint would be kept at it. Fix: a multiple of {every}, e.g. "
+                            f"{every * max(1, retain // every)}")
     if args.save_hf and not args.save:
         raise ArgumentError("--save-hf writes the run's final checkpoint as a Hugging Face model: it needs --save")
     if args.save_hf and Path(args.save_hf).is_dir() and any(Path(args.save_hf).iterdir()):

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import gc
-import logging
 import math
 import os
 import time
@@ -49,6 +48,7 @@ from dtmega.train.metrics import (
 )
 from dtmega.train.optim import LossScaler, clip_grads_, grad_norm, params_norm, scale_grads, zeros_in_grad
 from dtmega.train.prepare import dry_run, prepare_run
+from dtmega.train.process_settings import apply_process_settings
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
 from dtmega.train.schedule import resumed_schedule
@@ -101,8 +101,7 @@ class Trainer:
         run = prepare_run(args, world)  # every argument and file checked before any process group
         self.args = args = run.args  # with what start-up derived (--auto-plan's choices, a fresh start)
         self.exits = ExitConditions(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler, started)
-        if args.logging_level is not None:  # Megatron's --logging-level: every logger, torch's included
-            logging.getLogger().setLevel(args.logging_level)
+        apply_process_settings(args)  # --logging-level, --deterministic-mode
         init_distributed(self.device_type, timeout=timedelta(minutes=args.distributed_timeout_minutes))
         check_same_arguments(launch_settings(to_toml_dict(args), run.plan.to_toml()))  # before any work
         self.rank = dist.get_rank()
@@ -173,7 +172,7 @@ class Trainer:
                                       "--no-load-optim (a fresh optimizer of the new kind at its step)")
             state = load_checkpoint(checkpoint, self.pm.module, None if weights_only else self.optimizer,
                                     restore_rng=not (args.finetune or args.no_load_rng),
-                                    pipeline_group=self.pm.pipeline_group())
+                                    pipeline_group=self.pm.pipeline_group(), strictness=args.dist_ckpt_strictness)
             if not args.finetune:
                 self.iteration, consumed = state["iteration"], state["consumed_samples"]
                 self.consumed_valid = int(state.get("consumed_valid_samples", 0))
@@ -344,7 +343,8 @@ class Trainer:
         saving = SaveInProgress.start(self.args.save, self.iteration, self.pm.module, optimizer, self._state(),
                                       tokenizer_json=self.tokenizer.to_json(), runtime=self.pm.runtime_state_dict(),
                                       allow_older=self.args.overwrite_checkpoints or self.resumed_behind_latest,
-                                      background_group=self.save_group if background else False)
+                                      background_group=self.save_group if background else False,
+                                      retain_interval=self.args.save_retain_interval)
         if background:
             self.saving = saving
             self.logger.event(f"saving checkpoint {saving.final} in the background")

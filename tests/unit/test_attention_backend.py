@@ -155,6 +155,41 @@ def test_the_train_flag_adds_the_pass(capsys):
            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3"]
     assert main([*gpt, *LLAMA_BLOCK, "--attention-backend", "unfused", "--dry-run", "1"]) == 0
     assert "AttentionBackend" in capsys.readouterr().out
-    # GPT blocks drop attention probabilities (Megatron's default 0.1): a kernel that would not is refused
-    assert main([*gpt, "--attention-backend", "unfused", "--dry-run", "1"]) == 2
+    # GPT blocks drop attention probabilities (Megatron's default 0.1): unfused (plain math) drops
+    # them as Megatron's unfused attention does; a kernel that would not is refused
+    assert main([*gpt, "--attention-backend", "unfused", "--dry-run", "1"]) == 0
+    assert "AttentionBackend" in capsys.readouterr().out
+    assert main([*gpt, "--attention-backend", "flash", "--dry-run", "1"]) == 2
     assert "drop attention probabilities in training (p=0.1)" in capsys.readouterr().err
+
+
+def test_unfused_attention_keeps_the_gpt_cores_dropout():
+    """AttentionBackend('unfused') on GPT blocks with dropout: loss and every gradient equal the
+    model without the pass (the same plan-independent masks), in float64 where the two paths
+    differ only by summation order (1e-10). Evaluation runs the math kernel and equals too."""
+    from dtmega.models.gpt.config import GPT_SIZES
+    from dtmega.models.gpt.model import GPT
+
+    def model():
+        m = GPT(GPT_SIZES["gpt-debug"].replace(attention_dropout=0.2, hidden_dropout=0.2)).double()
+        m.init_weights(seed=3)
+        return m
+
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+    plain = model()
+    pm = dtmega.parallelize(model(), dtmega.make_mesh(dp_shard=1), Plan([AttentionBackend("unfused")]))
+    assert type(pm.module.layers["0"].attention.core).__name__ == "BackendCore"
+    losses = []
+    for m in (plain, pm.module):
+        m.train()
+        loss = m(tokens, sample_ids=torch.arange(2)).square().mean()
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-10, atol=0)
+    grads = dict(plain.named_parameters())
+    for name, p in pm.module.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-13, msg=name)
+    for m in (plain, pm.module):
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm.module(tokens), plain(tokens), rtol=1e-10, atol=1e-12)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.models.moe_config import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITIONS = ("learned_absolute", "rope", "none")
@@ -45,6 +46,9 @@ class GPTConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     kv_channels: int | None = None  # head width when it is not dim / n_heads
+    # --num-experts: MoE blocks whose experts are this block's MLP kind without biases (GeLU
+    # experts for GPT blocks, as Megatron builds them; Megatron's grouped experts carry no biases here)
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:  # one key/value head per query head
@@ -66,6 +70,9 @@ class GPTConfig:
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.moe is not None and self.moe.activation != self.activation:
+            problems.append(f"the experts' activation {self.moe.activation!r} differs from the blocks' "
+                            f"{self.activation!r} (Megatron's experts use the model's activation)")
         if self.position_embedding == "rope" and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         if problems:
@@ -99,8 +106,12 @@ class GPTConfig:
         """Parameters of one norm layer (LayerNorm: weight and bias; RMSNorm: weight)."""
         return self.dim * (2 if self.normalization == "LayerNorm" else 1)
 
-    def layer_params(self) -> int:
-        """Parameters of one block: two norms, attention, MLP, with their biases."""
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` has a mixture of experts instead of the MLP."""
+        return self.moe is not None and self.moe.is_moe_layer(index)
+
+    def layer_params(self, index: int = 0) -> int:
+        """Parameters of block `index`: two norms, attention, MLP (or experts), with their biases."""
         hd, q, kv = self.head_dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.dim * (q + 2 * kv) + q * self.dim
         attention += (q + 2 * kv) * self.has_qkv_bias + self.dim * self.bias
@@ -108,6 +119,8 @@ class GPTConfig:
         gates = 2 if self.activation == "swiglu" else 1
         mlp = gates * self.dim * self.hidden_ffn + self.hidden_ffn * self.dim
         mlp += (gates * self.hidden_ffn + self.dim) * self.bias
+        if self.is_moe_layer(index):
+            mlp = self.moe.params_per_layer(self.dim)
         return 2 * self.norm_params() + attention + mlp
 
     def num_params(self) -> int:
@@ -115,11 +128,16 @@ class GPTConfig:
         flags: word embedding, learned positions, blocks, final norm, an untied output layer)."""
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_len * self.dim if self.position_embedding == "learned_absolute" else 0
-        return embeddings + positions + self.n_layers * self.layer_params() + self.norm_params()
+        blocks = sum(self.layer_params(i) for i in range(self.n_layers))
+        return embeddings + positions + blocks + self.norm_params()
 
     def num_active_params(self) -> int:
-        """Parameters one token passes through (dense: all of them)."""
-        return self.num_params()
+        """Parameters one token passes through (MoE: its top_k experts, not all of them)."""
+        if self.moe is None:
+            return self.num_params()
+        moe = self.moe
+        idle = moe.expert_matrices * self.dim * moe.ffn_dim * (moe.num_experts - moe.top_k)
+        return self.num_params() - idle * sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "GPTConfig":

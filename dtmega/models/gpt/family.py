@@ -9,18 +9,26 @@ import torch
 from torch import nn
 
 from dtmega.models.gpt.model import GPT
-from dtmega.passes.families import ModelFacts, ModelFamily
+from dtmega.models.moe import MoE, moe_layers
+from dtmega.passes.families import ModelFacts, ModelFamily, MoEFacts
 from dtmega.passes.fusion_sites import slot_sites
 from dtmega.passes.rules import Rule
 
 
 def _describe(model: GPT) -> ModelFacts:
     c = model.config
+    layers = tuple(name for name, _ in moe_layers(model))
+    moe = None
+    if layers:
+        moe = MoEFacts(layers=layers, num_experts=c.moe.num_experts, top_k=c.moe.top_k, router="router",
+                       experts="experts", expert_params=("w1", "w2", "w3") if c.moe.activation == "swiglu" else ("w1", "w2"),
+                       shared_experts="shared_experts" if c.moe.shared_expert_ffn_dim else None,
+                       capacity_factor=c.moe.capacity_factor, num_groups=c.moe.num_groups, group_topk=c.moe.group_topk)
     return ModelFacts(
         family="dtmega-gpt", n_heads=c.n_heads, head_dim=c.head_dim, n_kv_heads=c.kv_heads, vocab_size=c.vocab_size,
         dim=c.dim, ffn_dim=c.hidden_ffn, blocks=tuple(f"layers.{name}" for name in model.layers),
         embedding="embedding", output="output", final_norm="norm", tied_embeddings=c.tie_embeddings,
-        max_positions=c.max_seq_len,
+        max_positions=c.max_seq_len, moe=moe,
     )
 
 
@@ -29,6 +37,17 @@ def _logits(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor |
     if document_ids is not None:
         return model(tokens, position_ids, document_ids=document_ids)
     return model(tokens, position_ids)
+
+
+def _runtime_hooks(program) -> list:
+    from dtmega.moe_runtime import moe_hooks
+
+    return moe_hooks(program)
+
+
+def _install_dispatcher(moe: nn.Module, dispatcher) -> None:
+    assert isinstance(moe, MoE)
+    moe.dispatcher = dispatcher
 
 
 def _fusion_sites(model: GPT) -> dict[str, list[str]]:
@@ -50,6 +69,14 @@ DTMEGA_GPT = ModelFamily(
         Rule("layers.*.feed_forward.w1", "colwise"),
         Rule("layers.*.feed_forward.w3", "colwise"),
         Rule("layers.*.feed_forward.w2", "rowwise"),
+        # mixture-of-experts blocks (--num-experts): experts split on their hidden dim (Megatron's
+        # expert tensor parallelism = TP), shared experts as a dense MLP, the router whole
+        Rule("layers.*.feed_forward", "moe", module_type="MoE"),
+        Rule("layers.*.feed_forward.experts", "expert_hidden", module_type="GroupedExperts"),
+        Rule("layers.*.feed_forward.router.gate", "replicate"),
+        Rule("layers.*.feed_forward.shared_experts.w1", "colwise"),
+        Rule("layers.*.feed_forward.shared_experts.w3", "colwise"),
+        Rule("layers.*.feed_forward.shared_experts.w2", "rowwise"),
         Rule("output", "output"),
     ),
     sp_rules=(
@@ -66,4 +93,7 @@ DTMEGA_GPT = ModelFamily(
     attention_core="attention.core",
     document_kwarg="document_ids",
     fusion_sites=_fusion_sites,
+    install_dispatcher=_install_dispatcher,
+    moe_tensor_parallel=True,
+    runtime_hooks=_runtime_hooks,
 )

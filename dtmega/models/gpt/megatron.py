@@ -9,6 +9,7 @@ A line selects this family unless its flags describe exactly dtmega's Llama (--s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dtmega.models.family import MegatronSizing
@@ -45,17 +46,17 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
     """The GPTConfig Megatron's flags describe, with the tokenizer's padded vocabulary."""
     from dtmega.models.gpt.config import GPTConfig
     from dtmega.train.arg_fields import ArgumentError
-    from dtmega.train.model_flags import check_heads, padded_vocab
+    from dtmega.train.model_flags import check_heads, moe_config, padded_vocab
 
     required = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                 "num_attention_heads": args.num_attention_heads}
     missing = [f"--{k.replace('_', '-')}" for k, v in required.items() if v is None]
     if missing:
         raise ArgumentError(f"the model needs {', '.join(missing)} (or a preset: --model gpt2-124m)")
-    if args.num_experts:
-        raise ArgumentError("--num-experts with GPT blocks (GeLU experts) is not built yet; dtmega's MoE experts are "
-                            "SwiGLU. Fix: --swiglu --normalization RMSNorm --position-embedding-type rope "
-                            "--disable-bias-linear --attention-dropout 0 --hidden-dropout 0 (a Mixtral-style MoE)")
+    if args.num_experts and not args.disable_bias_linear:
+        raise ArgumentError("--num-experts with biases (no --disable-bias-linear): experts with biases are not built "
+                            "yet (dtmega's grouped experts carry none). Fix: add --disable-bias-linear, as every "
+                            "Megatron MoE recipe and functional test passes it")
     heads = args.num_attention_heads
     kv_heads = args.num_query_groups if args.group_query_attention else heads
     if args.group_query_attention and not args.num_query_groups:
@@ -72,6 +73,11 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
     if ffn is None:  # Megatron: 4 x hidden; with --swiglu, 8/3 x hidden rounded to 64 (dtmega's Llama rule)
         ffn = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
     activation = "swiglu" if args.swiglu else "squared_relu" if args.squared_relu else "gelu"
+    # Megatron's fused bias-GeLU is the tanh form; without biases it turns the fusion off (F.gelu, erf)
+    gelu_form = "none" if args.no_bias_gelu_fusion or args.disable_bias_linear else "tanh"
+    moe = moe_config(args, ffn)
+    if moe is not None:  # the experts are the block's MLP kind (Megatron's activation_func), no biases
+        moe = dataclasses.replace(moe, activation=activation, gelu_approximate=gelu_form)
     try:
         return GPTConfig(
             dim=args.hidden_size, n_layers=args.num_layers, n_heads=heads,
@@ -80,10 +86,10 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
             layernorm_1p=args.apply_layernorm_1p, norm_eps=args.norm_epsilon,
             position_embedding=args.position_embedding_type, rope_theta=args.rotary_base,
             bias=not args.disable_bias_linear, qkv_bias=True if args.add_qkv_bias else None, activation=activation,
-            gelu_approximate="none" if args.no_bias_gelu_fusion else "tanh",
+            gelu_approximate=gelu_form,
             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
             tie_embeddings=not args.untie_embeddings_and_output_weights, init_std=args.init_method_std,
-            kv_channels=head_dim,
+            kv_channels=head_dim, moe=moe,
         )
     except ValueError as error:
         raise ArgumentError(str(error)) from None

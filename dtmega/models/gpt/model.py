@@ -28,6 +28,7 @@ from dtmega.models.decoder import Decoder
 from dtmega.models.gpt.config import GPTConfig
 from dtmega.models.gpt.dropout import KeyedDropout, attention_mask, site_id, token_keys
 from dtmega.models.kv_cache import KVCache, LayerCache
+from dtmega.models.moe import MoE
 from dtmega.models.rope import rope_cache
 from dtmega.models.slots import RMSNorm, Rotary, SwiGLU
 
@@ -209,7 +210,7 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Megatron's GPT layer: pre-norm attention and MLP, each output dropped before its residual
     add. Slots: `attention_norm`, `attention`, `attention_dropout`, `ffn_norm` (`add_then_norm`),
-    `feed_forward`, `mlp_dropout`."""
+    `feed_forward` (an MLP, or a mixture of experts on MoE layers), `mlp_dropout`."""
 
     def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
@@ -217,7 +218,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.attention_dropout = KeyedDropout(config.hidden_dropout)
         self.ffn_norm = make_norm(config)
-        self.feed_forward = MLP(config)
+        self.feed_forward: nn.Module = MoE(config.dim, config.moe) if config.is_moe_layer(index) else MLP(config)
         self.mlp_dropout = KeyedDropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerCache | None = None,
@@ -349,7 +350,7 @@ class GPT(Decoder):
             return InitSpec("zeros")
         if param.ndim == 1:
             return InitSpec("zeros" if self.config.layernorm_1p else "ones")
-        if name.endswith(("attention.wo.weight", "w2.weight")):
+        if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
             return InitSpec("normal", std / math.sqrt(2 * self.config.n_layers))
         return InitSpec("normal", std)
 

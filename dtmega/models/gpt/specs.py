@@ -6,6 +6,7 @@ import dataclasses
 
 from dtmega.models.gpt.config import GPT_SIZES, GPTConfig
 from dtmega.models.gpt.model import GPT
+from dtmega.models.moe_config import MoEConfig
 from dtmega.models.registry import ModelSpec
 
 
@@ -16,12 +17,15 @@ def gpt_flops_per_token(config: GPTConfig, seq_length: int) -> float:
     lookups = config.vocab_size * config.dim * (0 if config.tie_embeddings else 1)
     if config.position_embedding == "learned_absolute":
         lookups += config.max_seq_len * config.dim
-    dense = config.num_params() - lookups
+    dense = config.num_active_params() - lookups  # a token passes through its top-k experts only
     return 6.0 * dense + 12.0 * config.n_layers * config.n_heads * config.head_dim * seq_length
 
 
 def gpt_config_from_dict(data: dict) -> GPTConfig:
     """Inverse of dataclasses.asdict for GPTConfig."""
+    data = dict(data)
+    if data.get("moe") is not None:
+        data["moe"] = MoEConfig(**data["moe"])
     return GPTConfig(**data)
 
 

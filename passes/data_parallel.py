@@ -222,7 +222,7 @@ class DataParallel(Pass):
                 if fqn in experts:
                     # Expert gradients arrive summed over the expert-parallel group's tokens;
                     # averaging over every data rank (not only the replicas) gives the mean.
-                    module.set_gradient_divide_factor(float(program.data_size()))
+                    divide_expert_gradients(module, float(program.data_size()), mesh, self.mode, policy)
         backend = dist.get_backend(dense.get_group(0))
         if "nccl" not in backend:
             # gloo has no AVG/PREMUL_SUM reduction: reduce with SUM, then divide explicitly. Not
@@ -234,6 +234,21 @@ class DataParallel(Pass):
                     if isinstance(module, FSDPModule) and not (single and fqn in experts):
                         module.set_force_sum_reduction_for_comms(True)
         program.add_hook(GradientSync(program.parts))
+
+
+def divide_expert_gradients(module, factor: float, mesh, mode: str, policy: MixedPrecisionPolicy) -> None:
+    """Has an expert unit's reduced gradients divided by `factor` once. FSDP's custom divide
+    factor does that, except (torch 2.13, `foreach_reduce`) where the unit shards over one rank
+    and reduces in a dtype other than fp32/bf16 (a float64 model, fp16 reductions): there it divides
+    in its one-rank copy and again after the reduction, so the gradients came out `factor` times
+    too small (found with float64 GPT experts under TP x EP: exactly half). Those units divide in
+    the hook FSDP runs on the reduced gradient instead, once."""
+    reduce_dtype = policy.reduce_dtype or next(module.parameters()).dtype
+    one_rank = mode == "ddp" or mesh.size(mesh.ndim - 1) == 1
+    if one_rank and reduce_dtype not in (torch.float32, torch.bfloat16):
+        module.set_all_reduce_hook(lambda reduced: reduced.div_(factor))
+    else:
+        module.set_gradient_divide_factor(factor)
 
 
 def precision_policy(precision: Precision | None) -> MixedPrecisionPolicy:

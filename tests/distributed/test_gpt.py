@@ -20,10 +20,12 @@ import torch
 
 import dtmega
 from dtmega.models.gpt import GPT, GPT_SIZES
+from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
     Compile,
     ContextParallel,
     DataParallel,
+    ExpertParallel,
     PipelineSplit,
     PlanError,
     Recompute,
@@ -49,8 +51,21 @@ PLANS = {
 }
 
 
-def gpt_config(cp: bool = False):
-    return GPT_SIZES["gpt-debug"].replace(attention_dropout=0.0 if cp else 0.1, hidden_dropout=0.1)
+# Mixture-of-experts GPT blocks (Megatron's GPT MoE: GeLU experts without biases, erf GeLU) with
+# dropout, under expert parallelism: the auxiliary-loss router, and Sinkhorn top-1 routing, whose
+# balancing runs over the whole micro-batch (column sums all-reduced over the ranks holding it)
+MOE = {"aux": MoEConfig(num_experts=4, top_k=2, ffn_dim=48, activation="gelu", aux_loss_coeff=1e-2),
+       "sinkhorn": MoEConfig(num_experts=4, top_k=1, ffn_dim=48, activation="gelu", load_balancing="sinkhorn",
+                             aux_loss_coeff=0.0)}
+MOE_PLANS = {
+    "ep2_fsdp2": (dict(dp_shard=2, ep=2), [ExpertParallel(dispatcher="alltoall"), DataParallel("fsdp")]),
+    "ep2_tp2_sp": (dict(tp=2, ep=2), [TensorParallel(), SequenceParallel(), ExpertParallel(dispatcher="allgather"),
+                                      DataParallel("fsdp")]),
+}
+
+
+def gpt_config(cp: bool = False, moe: MoEConfig | None = None):
+    return GPT_SIZES["gpt-debug"].replace(attention_dropout=0.0 if cp else 0.1, hidden_dropout=0.1, moe=moe)
 
 
 def build(config, seed: int):
@@ -98,12 +113,17 @@ RTOL = 1e-7
 PARAM_RTOL = 1e-7
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [*PLANS, *(f"moe_{router}_{plan}" for router in MOE for plan in MOE_PLANS)])
 def test_gpt_plan_with_dropout_matches_unsharded(name):
-    sizes, passes = PLANS[name]
+    moe = None
+    if name.startswith("moe_"):
+        _, router, plan = name.split("_", 2)
+        (sizes, passes), moe = MOE_PLANS[plan], MOE[router]
+    else:
+        sizes, passes = PLANS[name]
     torch.set_default_dtype(torch.float64)
     try:
-        config = gpt_config(cp="cp" in sizes)
+        config = gpt_config(cp="cp" in sizes, moe=moe)
         reference, meta_copy = build(config, seed=61)
         pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
         pm.init_weights(seed=61)

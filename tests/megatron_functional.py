@@ -15,6 +15,7 @@ What is swapped, and why each swap keeps the configuration's model and plan:
   `--save` share one, Megatron's restart idiom (the first run starts fresh, a restart resumes), as
   its CI's first run of a resume test does. A line with `--load` and no `--save` (the inference
   configurations) needs a checkpoint that the scratch directory does not hold, and dtmega says so.
+- `${REPEAT}` (the CI's repetition number, used as a --seed): 1, its first run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ SCRATCH_FLAGS = ("--load", "--save", "--tensorboard-dir", "--wandb-save-dir", "-
 GPT2_BPE_VOCAB = 50257
 TIKTOKEN_VOCAB = 131072
 SENTENCEPIECE_VOCAB = 256000
+# Megatron's CI runs a configuration N times with ${REPEAT} = 1..N (a --seed): the first run's value
+CI_REPEAT = "1"
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,24 @@ def _size(value) -> int:
 
 
 def implied_world(model_args: dict) -> int:
-    """The smallest world Megatron accepts for the configuration's parallel sizes: a multiple of
-    TP x PP x CP (the dense layout) and of ETP x EP x PP (the experts' layout)."""
+    """The smallest world Megatron accepts for the configuration's sizes: a multiple of TP x PP x
+    CP (the dense layout) and of ETP x EP x PP (the experts' layout) whose data-parallel size is
+    a multiple of --num-distributed-optimizer-instances and divides the global batch into
+    micro-batches (Megatron's own start-up checks)."""
     tp = _size(model_args.get("--tensor-model-parallel-size"))
     pp = _size(model_args.get("--pipeline-model-parallel-size"))
     cp = _size(model_args.get("--context-parallel-size"))
     ep = _size(model_args.get("--expert-model-parallel-size"))
     etp = _size(model_args.get("--expert-tensor-parallel-size", tp))
-    return math.lcm(tp * pp * cp, etp * ep * pp)
+    instances = _size(model_args.get("--num-distributed-optimizer-instances"))
+    micro = _size(model_args.get("--micro-batch-size"))
+    batch = model_args.get("--global-batch-size")
+    step = math.lcm(tp * pp * cp, etp * ep * pp)
+    for world in range(step, 1024 * step + 1, step):
+        dp = world // (tp * pp * cp)
+        if dp % instances == 0 and (batch is None or int(batch) % (micro * dp) == 0):
+            return world
+    return step
 
 
 def _vocab_of(model_args: dict) -> int:
@@ -99,7 +112,7 @@ def dtmega_line(model_args: dict, scratch: Path) -> list[str]:
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
         else:
-            argv += [flag, str(value)]
+            argv += [flag, str(value).replace("${REPEAT}", CI_REPEAT)]
     argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(_vocab_of(model_args))]
     return argv
 
@@ -120,3 +133,40 @@ def verdict(name: str, model_args: dict, scratch: Path) -> Verdict:
     except DtmegaError as error:
         return Verdict(name, world, tuple(argv), str(error))
     return Verdict(name, world, tuple(argv), None)
+
+
+def refusal_categories(refusal: str) -> list[str]:
+    """What refused a configuration, as the docs' table names it: each not-built row the message
+    names (docs/training.md, "Not built yet"; a line refused by several rows counts under each), or
+    for a start-up check its message's first clause with the numbers as N."""
+    import re
+
+    from dtmega.train.not_built import NOT_BUILT
+
+    rows = [item.flags for item in NOT_BUILT if f"{item.flags}: {item.reason}" in refusal]
+    if rows:
+        return rows
+    clause = re.split(r"(?<=[a-z)])[.:;] ", refusal, maxsplit=1)[0]
+    return ["check: " + re.sub(r"\d+", "N", clause)[:110]]
+
+
+def summarize(verdicts: list[Verdict]) -> tuple[int, list[tuple[str, int]]]:
+    """(configurations accepted, [(refusal category, configurations)] most first)."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for item in verdicts:
+        if item.refusal is not None:
+            counts.update(refusal_categories(item.refusal))
+    return sum(item.refusal is None for item in verdicts), sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def docs_table(commit: str, total: int, accepted: int, categories: list[tuple[str, int]]) -> str:
+    """The markdown docs/training.md holds between its functional-tests markers."""
+    lines = [f"Megatron-LM {commit[:10]}: **{accepted} of {total}** configurations pass `dtmega train --dry-run` "
+             f"({100 * accepted / total:.1f} %).", "", "| refused by | configurations |", "|---|---|"]
+    for category, count in categories:
+        name = category.removeprefix("check: ")
+        cell = f"start-up check: {name}" if category.startswith("check: ") else f"not built: `{name}`"
+        lines.append(f"| {cell.replace('|', chr(92) + '|')} | {count} |")
+    return "\n".join(lines)

@@ -154,6 +154,12 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str):  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):  # Megatron flags of features not built: their rows
+            from dtmega.train.not_built import unparsed_refusal
+
+            refusal = unparsed_refusal(message.split(":", 1)[1].split())
+            if refusal is not None:
+                raise ArgumentError(refusal)
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
         guesses = []
         for word in message.replace(",", " ").split():

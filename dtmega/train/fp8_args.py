@@ -44,7 +44,9 @@ class FP8Args:
     num_layers_at_start_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the start kept bf16")
     num_layers_at_end_in_bf16: int = _opt(1, "with --first-last-layers-bf16: blocks at the end kept bf16")
     transformer_impl: str = _opt("local", "local: dtmega's modules (FP8 by its own kernels); transformer_engine: "
-                                          "FP8 linears by Transformer Engine", ("local", "transformer_engine"))
+                                          "FP8 linears by Transformer Engine; inference_optimized (Megatron's "
+                                          "inference layers) is not supported", ("local", "transformer_engine",
+                                                                                  "inference_optimized"))
 
     def fp8_passes(self) -> list[Pass]:
         """The Float8 pass Megatron's --fp8-* flags describe (none without --fp8-format/--fp8-hybrid).

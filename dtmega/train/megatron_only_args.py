@@ -34,6 +34,10 @@ class MegatronOnlyArgs:
                                                     ("fp32", "bf16"))
     megatron_fsdp_main_grads_dtype: str | None = opt(None, "Megatron-FSDP's accumulated-gradient dtype (only fp32, "
                                                            "dtmega's, is supported)", ("fp32", "bf16"))
+    megatron_fsdp_main_params_dtype: str | None = opt(None, "Megatron-FSDP's master-weight dtype (only fp32, dtmega's, "
+                                                            "is supported)", ("fp32", "bf16", "fp16", "auto"))
+    outer_dp_sharding_strategy: str | None = opt(None, "Megatron-FSDP's HSDP outer replicas: no_shard (= HSDP's "
+                                                       "replicas); optim is not supported yet", ("no_shard", "optim"))
     fsdp_double_buffer: bool = opt(False, "Megatron-FSDP's double-buffered all-gathers (not supported yet)")
     use_nccl_ub: bool = opt(False, "NCCL user-buffer registration (not supported yet)")
     enable_cuda_graph: bool = opt(False, "Megatron's CUDA graphs of the training step (not supported by the trainer "

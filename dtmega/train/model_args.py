@@ -45,8 +45,9 @@ class ModelArgs:
     add_qkv_bias: bool = _opt(False, "biases on the query, key and value projections only (with --disable-bias-linear)")
     normalization: str = _opt("LayerNorm", "norm layer (Megatron's default: LayerNorm)", ("RMSNorm", "LayerNorm"))
     norm_epsilon: float = _opt(1e-5, "norm epsilon")
-    position_embedding_type: str = _opt("learned_absolute", "position embedding (Megatron's default: learned_absolute)",
-                                        ("rope", "learned_absolute", "none"))
+    position_embedding_type: str = _opt("learned_absolute", "position embedding (Megatron's default: learned_absolute; "
+                                                            "yarn is not supported yet)",
+                                        ("rope", "learned_absolute", "none", "yarn"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
     rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
     kv_channels: int | None = _opt(None, "width of each attention head (default --hidden-size / --num-attention-heads; "

@@ -33,8 +33,9 @@ class MoEArgs:
     moe_router_topk_scaling_factor: float | None = _opt(None, "multiply the routing weights by this")
     moe_router_load_balancing_type: str = _opt("aux_loss", "balancing: a loss over the micro-batch (aux_loss), per "
                                                            "sequence (seq_aux_loss), Megatron's Sinkhorn routing "
-                                                           "(sinkhorn: balanced choices, no loss), or none",
-                                               ("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
+                                                           "(sinkhorn: balanced choices, no loss), or none; "
+                                                           "global_aux_loss is not supported yet",
+                                               ("aux_loss", "seq_aux_loss", "sinkhorn", "none", "global_aux_loss"))
     moe_aux_loss_coeff: float = _opt(0.0, "weight of the load-balancing loss")
     moe_z_loss_coeff: float | None = _opt(None, "weight of the router z-loss")
     moe_router_enable_expert_bias: bool = _opt(False, "auxiliary-loss-free balancing: a per-expert routing bias")

@@ -21,6 +21,20 @@ class NotBuilt:
     applies: Callable[[TrainArgs], bool]
     reason: str
     without: tuple[str, ...] = ()
+    # Megatron flags `dtmega train` does not parse that ask for this feature: names, or prefixes
+    # ending in "*"; the parser refuses them with this row instead of "unrecognized arguments"
+    unparsed: tuple[str, ...] = ()
+
+    def names_flag(self, flag: str) -> bool:
+        """Whether `flag` (a --name, without its value) is one of this row's unparsed flags."""
+        name = flag.split("=", 1)[0]
+        return any(name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+                   for pattern in self.unparsed)
+
+
+def _never(args: TrainArgs) -> bool:
+    """`applies` of a row whose flags the parser refuses (they never reach TrainArgs)."""
+    return False
 
 
 def _uniform_groups(args: TrainArgs) -> bool:
@@ -136,12 +150,13 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda a: a.fsdp_double_buffer or a.use_nccl_ub,
              "Megatron-FSDP's double buffers and NCCL user-buffer registration are not supported yet. Fix: leave "
              "them out (FSDP2 allocates its own communication buffers)"),
-    NotBuilt("--enable-cuda-graph --cuda-graph-scope", ("--enable-cuda-graph",),
+    NotBuilt("--enable-cuda-graph --cuda-graph-scope --cuda-graph-impl --cuda-graph-modules", ("--enable-cuda-graph",),
              lambda a: a.enable_cuda_graph or a.cuda_graph_scope is not None,
              "the trainer's step is not captured in CUDA graphs yet (its gradient clipping, skipped steps and loss "
              "scaling run between the compiled parts). Fix: leave the flags out, and --compile the blocks; from "
              "Python, dtmega.capture_step(pm, optimizer) compiles forward, backward and the optimizer step as one "
-             "program with CUDA graphs where shapes are static (docs/kernels.md)"),
+             "program with CUDA graphs where shapes are static (docs/kernels.md)",
+             unparsed=("--cuda-graph-*", "--te-rng-tracker")),
     NotBuilt("--megatron-fsdp-main-grads-dtype bf16", ("--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "bf16"),
              lambda a: a.megatron_fsdp_main_grads_dtype == "bf16",
              "accumulating gradients in bf16 is not supported yet (they accumulate in fp32). Fix: "
@@ -159,11 +174,132 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "your own script does it meanwhile)"),
     NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
              "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
+    NotBuilt("--expert-tensor-parallel-size other than TP", ("--num-experts", "4", "--expert-tensor-parallel-size", "2",
+                                                              "--tensor-model-parallel-size", "1"),
+             lambda a: a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size),
+             "the experts' hidden dim is split over the tensor-parallel ranks, so ETP equals TP here (Megatron's MoE "
+             "parallel folding, ETP and EP laid over TP x DP apart from the dense layout, is not supported yet). Fix: "
+             "leave --expert-tensor-parallel-size unset, with EP dividing the data-parallel size"),
+    NotBuilt("--moe-router-load-balancing-type global_aux_loss", ("--num-experts", "4", "--moe-router-load-balancing-type",
+                                                                   "global_aux_loss"),
+             lambda a: a.moe_router_load_balancing_type == "global_aux_loss",
+             "Megatron's global auxiliary loss (token counts averaged over the data-parallel ranks and micro-batches "
+             "of a step) is not supported yet. Fix: aux_loss (over the micro-batch) or seq_aux_loss"),
+    NotBuilt("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes", ("--cp-comm-type", "a2a+p2p"),
+             lambda a: a.cp_comm_type == "a2a+p2p", unparsed=("--hierarchical-context-parallel-sizes",),
+             reason="hierarchical context parallelism (all-to-all inside a node, ring across) is not supported yet. "
+                    "Fix: --cp-comm-type p2p, all_gather or a2a"),
+    NotBuilt("--optimizer muon --muon-*", ("--optimizer", "muon"), lambda a: a.optimizer == "muon",
+             unparsed=("--muon-*", "--no-use-layer-wise-param-layout"),
+             reason="the Muon optimizer is not built yet. Fix: --optimizer adam"),
+    NotBuilt("--megatron-fsdp-main-params-dtype bf16|fp16|auto --outer-dp-sharding-strategy optim",
+             ("--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "bf16"),
+             lambda a: (a.megatron_fsdp_main_params_dtype not in (None, "fp32")
+                        or a.outer_dp_sharding_strategy == "optim"),
+             "master weights are always fp32 here, and HSDP's outer replicas never shard the optimizer state. Fix: "
+             "--megatron-fsdp-main-params-dtype fp32, --outer-dp-sharding-strategy no_shard, or leave them out"),
+    NotBuilt("--position-embedding-type yarn", ("--position-embedding-type", "yarn"),
+             lambda a: a.position_embedding_type == "yarn",
+             "YaRN-scaled RoPE as a GPT position embedding (GPT-OSS's) is not built yet. Fix: --position-embedding-type "
+             "rope"),
+    NotBuilt("--context-parallel-size > 1 with --attention-dropout > 0",
+             ("--context-parallel-size", "2", "--attention-dropout", "0.1"),
+             lambda a: a.context_parallel_size > 1 and bool(a.attention_dropout),
+             "context parallelism's attention kernels (ring, all-gather, all-to-all) compute no dropout on the "
+             "attention probabilities yet. Fix: --attention-dropout 0 (hidden dropout works under CP)"),
+    NotBuilt("--inference-* --prompts --num-tokens-to-generate --temperature --top_k --transformer-impl "
+             "inference_optimized (Megatron's inference engines)",
+             ("--inference-max-seq-length", "4096"), lambda a: a.transformer_impl == "inference_optimized",
+             unparsed=("--inference-*", "--incoming-requests-*", "--prompts", "--prompt-file*", "--num-tokens-to-generate",
+                       "--temperature", "--top_k", "--top_p", "--top-n-logprobs", "--return-log-probs",
+                       "--max-tokens-to-oom", "--output-path", "--output-every-n-results", "--termination-id",
+                       "--stop-words", "--enable-chunked-prefill", "--flash-decode", "--use-legacy-static-engine",
+                       "--use-coordinator", "--async-mode", "--decode-only-cuda-graphs", "--use-flashinfer-fused-rope",
+                       "--moe-pad-experts-for-cuda-graph-inference", "--suspend-*", "--moe-enable-routing-replay",
+                       "--no-use-tokenizer-model-from-checkpoint-args"),
+             reason="`dtmega train` trains; Megatron's static and dynamic inference engines (their batching, CUDA "
+                    "graphs, sampling and request flags) are not built into it. Fix: `dtmega generate` or `dtmega "
+                    "serve` (docs/serving.md) on the checkpoint"),
+    NotBuilt("--use-checkpoint-args", ("--use-checkpoint-args",), _never, unparsed=("--use-checkpoint-args",),
+             reason="the model's flags come from the command line; reading them from the checkpoint's saved arguments "
+                    "is not supported yet (a resume checks them against the checkpoint's model). Fix: pass the model's "
+                    "flags"),
+    NotBuilt("--perform-rl-step --grpo-* --rl-* (Megatron's RL)", ("--perform-rl-step",), _never,
+             unparsed=("--perform-rl-step", "--grpo-*", "--rl-*", "--no-rl-*", "--langrl-*", "--refit-method"),
+             reason="reinforcement learning (GRPO rollouts and refits) is not built yet. Fix: train with `dtmega "
+                    "train` (pretraining, --sft)"),
+    NotBuilt("--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
+             ("--defer-embedding-wgrad-compute",), _never,
+             unparsed=("--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "--delay-wgrad-compute"),
+             reason="deferring weight-gradient GEMMs to overlap communication is not built yet (a speed feature: the "
+                    "gradients are the same). Fix: leave the flags out"),
+    NotBuilt("--overlap-moe-expert-parallel-comm --overlap-param-gather-with-optimizer-step "
+             "--microbatch-group-size-per-virtual-pipeline-stage --overlap-p2p-communication-warmup-flush",
+             ("--overlap-moe-expert-parallel-comm",), _never,
+             unparsed=("--overlap-moe-expert-parallel-comm", "--overlap-param-gather-with-optimizer-step",
+                       "--microbatch-group-size-per-virtual-pipeline-stage", "--overlap-p2p-communication-warmup-flush"),
+             reason="these overlaps of communication with compute are not built yet (speed features: training is the "
+                    "same without them). Fix: leave the flags out"),
+    NotBuilt("--fine-grained-activation-offloading --offload-modules --use-transformer-engine-op-fuser --moe-router-fusion "
+             "--tp-comm-overlap-cfg", ("--fine-grained-activation-offloading",), _never,
+             unparsed=("--fine-grained-activation-offloading", "--offload-modules", "--use-transformer-engine-op-fuser",
+                       "--moe-router-fusion", "--tp-comm-overlap-cfg"),
+             reason="Transformer Engine's activation offloading, op fuser, fused router and TP-overlap configuration are "
+                    "not built yet (memory and speed features). Fix: leave the flags out (--recompute-granularity or "
+                    "--cpu-optimizer for memory)"),
+    NotBuilt("--check-weight-hash-across-dp-replicas-interval --test-mode", ("--test-mode",), _never,
+             unparsed=("--check-weight-hash-across-dp-replicas-interval", "--test-mode"),
+             reason="checking at run time that replicated weights agree across ranks is not built yet. Fix: leave the "
+                    "flags out (every checkpoint's files are verified against their checksums at load)"),
+    NotBuilt("--error-injection-rate --error-injection-type", ("--error-injection-rate", "100"), _never,
+             unparsed=("--error-injection-*",),
+             reason="Megatron's re-run engine injects faults to test itself; dtmega has no re-run engine (non-finite "
+                    "steps are skipped and counted, --check-for-spiky-loss re-runs a spike). Fix: leave the flags out"),
+    NotBuilt("--export-kd-cfg --export-kd-teacher-load --export-te-mcore-model (ModelOpt distillation)",
+             ("--export-te-mcore-model",), _never, unparsed=("--export-*",),
+             reason="knowledge distillation from a teacher checkpoint (NVIDIA ModelOpt) is not built yet. Fix: leave "
+                    "the flags out"),
+    NotBuilt("--use-mup --mup-base-hidden-size", ("--use-mup",), _never, unparsed=("--use-mup", "--mup-*"),
+             reason="maximal-update parametrization (μP) is not built yet. Fix: leave the flags out"),
+    NotBuilt("--experimental-attention-variant --linear-attention-freq --attention-output-gate --dsa-indexer-*",
+             ("--experimental-attention-variant", "gated_delta_net"), _never,
+             unparsed=("--experimental-attention-variant", "--linear-*", "--attention-output-gate",
+                       "--apply-wd-to-qk-layernorm", "--moe-shared-expert-gate", "--dsa-*"),
+             reason="Megatron's experimental attention variants (gated delta net, DeepSeek sparse attention) are not "
+                    "built yet. Fix: leave the flags out (softmax attention)"),
+    NotBuilt("--eval-global-batch-size", ("--eval-global-batch-size", "8"), _never,
+             unparsed=("--eval-global-batch-size",),
+             reason="a validation batch of another size than the training's is not supported yet. Fix: leave it out "
+                    "(validation uses --global-batch-size)"),
+    NotBuilt("--rotary-interleaved", ("--rotary-interleaved",), _never, unparsed=("--rotary-interleaved",),
+             reason="RoPE on interleaved pairs (GPT-J's layout) is not built yet (RoPE rotates the two halves of each "
+                    "head). Fix: leave it out"),
+    NotBuilt("--disable-gloo-process-groups", ("--disable-gloo-process-groups",), _never,
+             unparsed=("--disable-gloo-process-groups",),
+             reason="dtmega makes a gloo group for --async-save's background writer (and runs on gloo on a CPU); "
+                    "running without gloo groups is not supported yet. Fix: leave it out"),
     NotBuilt("--cross-entropy-fusion-impl te", ("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"),
              lambda a: a.cross_entropy_loss_fusion and a.cross_entropy_fusion_impl == "te",
              "Transformer Engine's fused cross entropy is not supported yet. Fix: --cross-entropy-fusion-impl native "
              "(dtmega's fused linear cross entropy)"),
 )
+
+
+def unparsed_refusal(unknown: list[str]) -> str | None:
+    """The refusal of the unparsed flags among `unknown` (argparse's unrecognized arguments, values
+    included) that rows of NOT_BUILT name, each row with its reason; the other unknown flags are
+    listed after it. None when no row names any of them."""
+    flags = [token for token in unknown if token.startswith("--")]
+    rows = [item for item in NOT_BUILT if any(item.names_flag(flag) for flag in flags)]
+    if not rows:
+        return None
+    rest = [flag for flag in flags if not any(item.names_flag(flag) for item in NOT_BUILT)]
+    tail = f" (and unrecognized arguments: {' '.join(rest)})" if rest else ""
+    if len(rows) == 1:
+        return f"{rows[0].flags}: {rows[0].reason}{tail}"
+    lines = "".join(f"\n  - {item.flags}: {item.reason}" for item in rows)
+    return (f"{len(rows)} features this line asks for are not built yet (docs/training.md, \"Not built yet\"); each "
+            f"with its fix:{lines}{tail}")
 
 
 def refuse_not_built(args: TrainArgs) -> None:

@@ -75,7 +75,7 @@ class OptimizerArgs:
     check_for_spiky_loss: bool = _opt(False, "a loss above 10x the recent maximum re-runs its step once on the same "
                                              "batch: reproduced = from the data or model, not = a transient fault")
     optimizer: str = _opt("adam", "adam (AdamW, decoupled weight decay, as Megatron's adam) or sgd (momentum "
-                                  "--sgd-momentum, L2 weight decay)", ("adam", "sgd"))
+                                  "--sgd-momentum, L2 weight decay); muon is not supported yet", ("adam", "sgd", "muon"))
     sgd_momentum: float = _opt(0.9, "momentum of --optimizer sgd")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")

@@ -29,23 +29,27 @@ class ParallelArgs:
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("tensor_model_parallel_size", "microbatches", "context_parallel_size",
         "data_parallel_shard_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-        "recompute_num_layers")
+        "recompute_num_layers", "num_distributed_optimizer_instances")
 
     tensor_model_parallel_size: int = _opt(1, "TP size")
     microbatches: int | None = _opt(None, "micro-batches per step (default: global batch / micro batch / DP)")
     context_parallel_size: int = _opt(1, "CP size: every sequence split over this many ranks")
-    cp_comm_type: str = _opt("p2p", "context-parallel attention: p2p (ring), all_gather, a2a (Ulysses)",
-                             ("p2p", "all_gather", "a2a"))
+    cp_comm_type: str = _opt("p2p", "context-parallel attention: p2p (ring), all_gather, a2a (Ulysses); a2a+p2p "
+                                    "(hierarchical) is not supported yet", ("p2p", "all_gather", "a2a", "a2a+p2p"))
     sequence_parallel: bool = _opt(False, "sequence parallelism (needs TP > 1)")
     tp_comm_overlap: bool = _opt(False, "overlap TP communication with the GEMMs (not supported yet)")
     use_distributed_optimizer: bool = _opt(False, "shard optimizer state over data-parallel ranks (FSDP)")
     data_parallel: str | None = _opt(None, "ddp, fsdp or hsdp (default: fsdp with --use-distributed-optimizer, else ddp)",
                                      ("ddp", "fsdp", "hsdp"))
+    num_distributed_optimizer_instances: int = _opt(1, "with --use-distributed-optimizer: N copies of the sharded "
+                                                         "optimizer, each sharding over data-parallel size / N ranks "
+                                                         "(= --data-parallel hsdp --data-parallel-shard-size DP/N)")
     use_torch_fsdp2: bool = _opt(False, "Megatron's switch to PyTorch FSDP2: = --data-parallel fsdp")
     grad_reduce_in_bf16: bool = _opt(False, "reduce gradients across data-parallel ranks in bf16 (default fp32)")
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
     expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
-    expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP; default TP)")
+    expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP is "
+                                                         "supported; default TP)")
     cpu_optimizer: bool = _opt(False, "keep fp32 weights, gradients and Adam state on the host and step there "
                                       "(FSDP2's CPU offload; implies --data-parallel fsdp unless hsdp is given)")
     cpu_optimizer_type: str = _opt("ADAM", "the host optimizer (AdamW, as on the device)", ("ADAM", "adam"))
@@ -91,7 +95,8 @@ class ParallelArgs:
             if self.recompute_method == "block":
                 return [Recompute("full", first=self.recompute_num_layers or n_layers)]
             return [Recompute("full")]  # uniform, one block per unit (groups of several blocks were refused)
-        if self.recompute_method or self.recompute_num_layers:
+        # --recompute-num-layers 1 is Megatron's default value, which it ignores without full recompute
+        if self.recompute_method or self.recompute_num_layers not in (None, 1):
             raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
         return []
 
@@ -99,6 +104,15 @@ class ParallelArgs:
         """ddp unless the optimizer is to be sharded (--use-distributed-optimizer) or a mode is given
         (--data-parallel, or Megatron-FSDP's sharding strategy)."""
         megatron_fsdp = self.megatron_fsdp_mode()  # type: ignore[attr-defined]
+        if self.num_distributed_optimizer_instances > 1:
+            if not self.use_distributed_optimizer and megatron_fsdp is None:
+                raise ArgumentError(f"--num-distributed-optimizer-instances {self.num_distributed_optimizer_instances} "
+                                    "copies the distributed optimizer: it needs --use-distributed-optimizer")
+            if self.data_parallel not in (None, "hsdp"):
+                raise ArgumentError(f"--num-distributed-optimizer-instances {self.num_distributed_optimizer_instances} "
+                                    f"is hybrid sharding (hsdp) and --data-parallel says {self.data_parallel}. Fix: keep "
+                                    "one")
+            return "hsdp"
         if self.data_parallel:
             if self.use_torch_fsdp2 and self.data_parallel == "ddp":
                 raise ArgumentError("--use-torch-fsdp2 and --data-parallel ddp disagree. Fix: keep one")

@@ -135,7 +135,13 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
     if mode == "ddp":
         replicate, shard = dp, 1
     elif mode == "hsdp":
-        shard = args.data_parallel_shard_size or 0
+        instances = args.num_distributed_optimizer_instances
+        shard = args.data_parallel_shard_size or (dp // instances if instances > 1 and dp % instances == 0 else 0)
+        if instances > 1 and (dp % instances or (args.data_parallel_shard_size not in (None, dp // instances))):
+            raise ArgumentError(
+                f"--num-distributed-optimizer-instances {instances} must divide the data-parallel size {dp} (each "
+                f"instance shards over {dp} / {instances} ranks), and agree with --data-parallel-shard-size if given"
+            )
         if shard < 1 or dp % shard or shard == dp or shard % ep:
             raise ArgumentError(
                 f"--data-parallel hsdp needs --data-parallel-shard-size dividing the data-parallel size {dp} "

@@ -37,7 +37,8 @@ def copy_model_args(repo: str) -> dict:
         if len(parts) != 6 or parts[3] not in FAMILIES or parts[5] != "model_config.yaml":
             continue
         document = yaml.safe_load(_git(repo, "show", f"HEAD:{name}")) or {}
-        configs[f"{parts[3]}/{parts[4]}"] = document.get("MODEL_ARGS") or {}
+        # BASE_MODEL_ARGS (one configuration has them) come first; MODEL_ARGS override them
+        configs[f"{parts[3]}/{parts[4]}"] = {**(document.get("BASE_MODEL_ARGS") or {}), **(document.get("MODEL_ARGS") or {})}
     return {"source": "https://github.com/NVIDIA/Megatron-LM", "commit": commit, "configs": configs}
 
 

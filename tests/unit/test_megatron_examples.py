@@ -286,8 +286,7 @@ def _row_flags(row, groups: list[list[str]], args_of) -> set[str]:
     (DEEPSEEK_V3_MEGATRON_FSDP, 64, {
         "--moe-flex-dispatcher-backend",
         "--moe-permute-fusion", "--moe-router-force-load-balancing", "--recompute-modules other than core_attn",
-        "--fsdp-double-buffer --use-nccl-ub", "--megatron-fsdp-main-grads-dtype bf16",
-        "--dist-ckpt-strictness other than raise_all"}),
+        "--fsdp-double-buffer --use-nccl-ub", "--megatron-fsdp-main-grads-dtype bf16"}),
 ], ids=["mixtral_8x7b", "gpt3_175b", "deepseek_v3_megatron_fsdp"])
 def test_megatrons_example_lines_are_taken_but_for_the_not_built_features(line, world, expected, more_paths, capsys,
                                                                           monkeypatch):

@@ -3,7 +3,7 @@ layers, width 64, 4 heads in 2 query groups, SwiGLU, RMSNorm, RoPE, untied outpu
 logits on fixed tokens, and `dist_checkpointing.save` in the torch_dist format. Run under
 torchrun (`--nproc-per-node 2` saves a tensor-parallel TP2 original):
 
-    torchrun --nproc-per-node 2 tests/megatron_core_gpt.py OUT_DIR
+    torchrun --nproc-per-node 2 tests/megatron_core_gpt.py OUT_DIR [--gpt-blocks]
 
 megatron-core 0.16 assumes CUDA in four places that a CPU run reaches; each is replaced for
 this process only (they run nothing CUDA-specific here): `torch.cuda.current_device` (where
@@ -25,7 +25,11 @@ import torch.nn.functional as F
 VOCAB, SEQ = 264, 16  # dtmega's byte tokenizer (258 ids) fits; TP2 divides it
 
 
-def main(out: str) -> None:
+def main(out: str, gpt_blocks: bool = False) -> None:
+    """`gpt_blocks`: Megatron's GPT blocks instead (what pretrain_gpt.py builds without --swiglu):
+    LayerNorm, learned absolute positions, biases on every linear layer, a GeLU MLP of 4 x hidden
+    (F.gelu: --no-bias-gelu-fusion), the output tied to the word embedding; dropout 0 (a forward
+    in eval mode drops nothing anyway)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     from megatron.core import dist_checkpointing, parallel_state
@@ -39,17 +43,31 @@ def main(out: str) -> None:
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)
+    block = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+                 ffn_hidden_size=128)
+    if gpt_blocks:
+        block = dict(gated_linear_unit=False, activation_func=F.gelu, normalization="LayerNorm", add_bias_linear=True,
+                     ffn_hidden_size=256)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, **block,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32,
         tensor_model_parallel_size=tp, layernorm_epsilon=1e-5,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope", rotary_base=10000,
-                     share_embeddings_and_output_weights=False).eval()
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=block["normalization"]),
+                     vocab_size=VOCAB, max_sequence_length=64,
+                     position_embedding_type="learned_absolute" if gpt_blocks else "rope", rotary_base=10000,
+                     share_embeddings_and_output_weights=gpt_blocks).eval()
+    if gpt_blocks:  # biases and LayerNorm weights start at 0 and 1: random, so a misplaced one shows; the MLP's
+        # inputs O(1) (its weights x 20), where GeLU's erf and tanh forms differ by ~1e-3, not ~1e-6
+        generator = torch.Generator().manual_seed(5)  # the same on every rank: replicated tensors agree
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "layernorm" in name or "layer_norm" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + (1.0 if "weight" in name else 0.0))
+                elif name.endswith("linear_fc1.weight"):
+                    param.mul_(20.0)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
@@ -71,4 +89,4 @@ if __name__ == "__main__":  # the torch_dist writer's spawned helper re-imports 
     # The process ends normally, not with os._exit as benchmarks/common.run_worker does: the
     # torch_dist writer's spawned multiprocessing Manager is shut down at exit, and skipping that
     # would leave it holding the caller's pipes open (the test waiting on them forever).
-    main(sys.argv[1])
+    main(sys.argv[1], gpt_blocks="--gpt-blocks" in sys.argv[2:])

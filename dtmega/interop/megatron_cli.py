@@ -13,6 +13,7 @@ from dtmega.interop.megatron_core import (
     dtmega_state_from_megatron,
     llama_config_from_megatron,
 )
+from dtmega.interop.megatron_core_gpt import GPTBlockFlags, gpt_config_from_megatron, gpt_state_from_megatron, is_gpt_checkpoint
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,13 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-file")
     parser.add_argument("--eod-token")
     parser.add_argument("--vocab-size", type=int, help="NullTokenizer: the token ids are 0..N-1, N is end-of-document")
+    # GPT blocks (LayerNorm, biases, GeLU; docs/gpt.md): what their tensors do not show
+    parser.add_argument("--squared-relu", action="store_true", help="GPT blocks: the MLP was squared ReLU, not GeLU")
+    parser.add_argument("--no-bias-gelu-fusion", action="store_true",
+                        help="GPT blocks: the GeLU was F.gelu (erf), not the fused bias-GeLU's tanh form")
+    parser.add_argument("--apply-layernorm-1p", action="store_true", help="GPT blocks: zero-centred norm weights")
+    parser.add_argument("--attention-dropout", type=float, default=0.1, help="GPT blocks: the converted model's")
+    parser.add_argument("--hidden-dropout", type=float, default=0.1, help="GPT blocks: the converted model's")
 
 
 def convert_megatron(a: argparse.Namespace) -> Path:
@@ -49,6 +57,8 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     checkpoint = MegatronCheckpoint(a.load)
     arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
                                 a.use_rope_scaling, a.rope_scaling_factor, a.norm_epsilon, a.max_position_embeddings)
+    if is_gpt_checkpoint(checkpoint):
+        return _convert_gpt(a, checkpoint, arch)
     config = llama_config_from_megatron(checkpoint, arch)
     spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token, a.vocab_size)
     tokenizer = build_tokenizer(spec)
@@ -66,6 +76,42 @@ def convert_megatron(a: argparse.Namespace) -> Path:
         raise RuntimeError(f"megatron-to-dtmega mapping incomplete: missing {missing}, unexpected {unexpected}")
     state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "llama",
              "model_config": llama_config_to_dict(config),
+             "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
+             "source": {"megatron_core": str(checkpoint.path.resolve())}, "run_id": new_run_id()}
+    return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json(),
+                           allow_older=getattr(a, "overwrite_checkpoints", False))
+
+
+def _convert_gpt(a: argparse.Namespace, checkpoint: MegatronCheckpoint, arch: MegatronArchitecture) -> Path:
+    """A checkpoint of Megatron's GPT blocks as a dtmega GPT (dtmega/interop/megatron_core_gpt.py)."""
+    import dataclasses
+
+    import torch
+
+    from dtmega.interop.hf_import import DEFAULT_SEQ_LENGTH
+    from dtmega.models.gpt import GPT
+    from dtmega.train.checkpoint import save_checkpoint
+    from dtmega.train.save_ownership import new_run_id
+
+    flags = GPTBlockFlags(a.squared_relu, a.no_bias_gelu_fusion, a.apply_layernorm_1p, a.attention_dropout,
+                          a.hidden_dropout)
+    config = gpt_config_from_megatron(checkpoint, arch, flags)
+    spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token, a.vocab_size)
+    tokenizer = build_tokenizer(spec)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "
+                                  f"only {config.vocab_size} rows. Fix: the tokenizer the run was trained with")
+    weights = gpt_state_from_megatron(checkpoint, config, a.rotary_interleaved)
+    if config.tie_embeddings:
+        weights["output.weight"] = weights["embedding.word.weight"]
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:  # a bug of the mapping, not of the input
+        raise RuntimeError(f"megatron-to-dtmega mapping incomplete: missing {missing}, unexpected {unexpected}")
+    state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "gpt",
+             "model_config": dataclasses.asdict(config),
              "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
              "source": {"megatron_core": str(checkpoint.path.resolve())}, "run_id": new_run_id()}
     return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json(),

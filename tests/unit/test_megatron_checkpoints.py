@@ -94,3 +94,38 @@ def test_a_megatron_checkpoint_is_read_as_data(megatron_checkpoint, tmp_path, ca
     error = capsys.readouterr().err
     assert f"{copy / '.metadata'}: its pickle asks for posix.mkdir" in error and "Fix:" in error, error
     assert not marker.exists() and not (tmp_path / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt_checkpoint(tmp_path_factory) -> Path:
+    """megatron-core's own GPT blocks (LayerNorm, biases, GeLU, learned positions, tied), TP2."""
+    out = tmp_path_factory.mktemp("megatron_gpt")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "megatron_core_gpt.py"),
+                           str(out), "--gpt-blocks"], check=False, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def test_megatron_core_gpt_blocks_convert_with_logits_parity(megatron_gpt_checkpoint, tmp_path):
+    """Issue 51 item 1: a checkpoint of Megatron's GPT blocks becomes a dtmega GPT with megatron-core's
+    logits (1e-5: fp32 sums in another order); the GeLU's form is a flag of the run (F.gelu here,
+    --no-bias-gelu-fusion), and the fused bias-GeLU's tanh form gives other logits (the test can fail)."""
+    from dtmega.train.restore import restore
+
+    reference = torch.load(megatron_gpt_checkpoint / "logits.pt")
+    errors = {}
+    for form, extra in (("erf", ["--no-bias-gelu-fusion"]), ("tanh", [])):
+        assert dtmega_main(["convert", "megatron-to-dtmega", "--load", str(megatron_gpt_checkpoint / "iter_0000001"),
+                            "--save", str(tmp_path / form), *FLAGS, *extra]) == 0
+        pm, _, state = restore(tmp_path / form)
+        assert state["model"] == "gpt" and type(pm.module).__name__ == "GPT"
+        config = pm.module.config
+        assert (config.normalization, config.position_embedding, config.bias, config.tie_embeddings) == \
+            ("LayerNorm", "learned_absolute", True, True)
+        pm.module.eval()
+        with torch.no_grad():
+            ours = pm.module(reference["tokens"])
+        errors[form] = float((ours - reference["logits"]).abs().max() / reference["logits"].abs().max())
+    assert errors["erf"] < 1e-5 and errors["tanh"] > 1e-4, errors

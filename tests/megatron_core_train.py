@@ -47,6 +47,9 @@ only, changes where a tensor lives or skips a CUDA-only call, never a value:
    nothing: the rerun state machine (Megatron's default --rerun-mode validate_results) saves the
    RNG states before each forward-backward for a possible rerun; there is no CUDA generator, and
    the CPU generators (random, numpy, torch) are still saved and restored.
+7. `Tensor.cuda()` returns the tensor itself: LanguageModule.setup_embeddings_and_output_layer
+   moves the last pipeline stage's copy of a tied embedding to the GPU before the all-reduce that
+   makes it equal to the first stage's (--gpt-blocks with PP); the all-reduce runs on the CPU.
 What training.py does on GPU and this script does not: model_module.cuda() and the DDP side
 stream (placement only), pin_memory and 2 DataLoader workers (prefetching only: the sampler
 alone decides the order), and the TP broadcast of the empty cu_seqlens/max_seqlen (unused).
@@ -79,6 +82,15 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--attention-dropout", "0",
                "--hidden-dropout", "0", "--init-method-std", "0.02", "--use-cpu-initialization",
                "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer"]
+# --gpt-blocks: Megatron's GPT blocks instead, as pretrain_gpt.py builds them without --swiglu (LayerNorm,
+# learned absolute positions, biases, a 4 x hidden GeLU MLP, the output tied to the word embedding), with
+# F.gelu (--no-bias-gelu-fusion) and dropout 0 (dropout masks are generator draws in Megatron)
+GPT_FFN = 256
+GPT_MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+                   "--num-query-groups", "2", "--ffn-hidden-size", str(GPT_FFN), "--normalization", "LayerNorm",
+                   "--norm-epsilon", "1e-5", "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
+                   "--attention-dropout", "0", "--hidden-dropout", "0", "--init-method-std", "0.02",
+                   "--use-cpu-initialization", "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer"]
 MIN_POSITIONS = 64
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
 CHECKSUM_ITERATIONS = 3
@@ -118,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eod-mask-loss", action="store_true")
     p.add_argument("--calculate-per-token-loss", action="store_true")
     p.add_argument("--vocab-size", type=int, required=True, help="NullTokenizer: ids 0..N-1, eod N")
+    p.add_argument("--gpt-blocks", action="store_true", help="Megatron's GPT blocks (GPT_MODEL_FLAGS), not Llama's")
     p.add_argument("--eval-iters", type=int, default=100)
     p.add_argument("--eval-interval", type=int, default=1000,
                    help="0.16.1 has no default (None, and get_train_valid_test_num_samples then fails); 1000 "
@@ -149,9 +162,11 @@ def vocab_size_with_padding(vocab_size: int, tp: int) -> int:
 
 
 class _CudaTensorsOnCpu(TorchFunctionMode):
-    """Patch 4 of the module docstring: an explicit device="cuda" becomes the CPU."""
+    """Patches 4 and 7 of the module docstring: an explicit device="cuda" becomes the CPU; .cuda() stays."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:  # patch 7: a tied embedding's last-stage copy moved "to the GPU" stays here
+            return args[0]
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda":
@@ -160,7 +175,7 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
 
 
 def patch_cuda_assumptions() -> None:
-    """Patches 1-6 of the module docstring; each changes placement or skips a CUDA-only call."""
+    """Patches 1-7 of the module docstring; each changes placement or skips a CUDA-only call."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
@@ -207,8 +222,13 @@ def build_model(a: argparse.Namespace, padded_vocab: int) -> tuple:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    block = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False)
+    sizes = MODEL
+    if a.gpt_blocks:
+        block = dict(gated_linear_unit=False, activation_func=F.gelu, normalization="LayerNorm", add_bias_linear=True)
+        sizes = {**MODEL, "ffn_hidden_size": GPT_FFN}
     config = TransformerConfig(
-        **MODEL, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        **sizes, **block,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -217,11 +237,12 @@ def build_model(a: argparse.Namespace, padded_vocab: int) -> tuple:
         calculate_per_token_loss=a.calculate_per_token_loss, deallocate_pipeline_outputs=True,
         pipeline_dtype=torch.float32, batch_p2p_comm=True,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=block["normalization"]),
                      vocab_size=padded_vocab, max_sequence_length=max(MIN_POSITIONS, a.seq_length),
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=a.gpt_blocks,
+                     position_embedding_type="learned_absolute" if a.gpt_blocks else "rope",
                      rotary_percent=1.0, rotary_base=10000)
     for param in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -520,7 +541,8 @@ def main(argv: list[str]) -> None:
             "num_microbatches": get_num_microbatches(), "padded_vocab_size": padded_vocab,
             "tokenizer": {"kind": "megatron.core.tokenizers MegatronTokenizer, null library", "vocab_size": tokenizer.vocab_size,
                           "eod": tokenizer.eod},
-            "model_flags": MODEL_FLAGS + ["--max-position-embeddings", str(max(MIN_POSITIONS, a.seq_length))],
+            "model_flags": (GPT_MODEL_FLAGS if a.gpt_blocks else MODEL_FLAGS)
+            + ["--max-position-embeddings", str(max(MIN_POSITIONS, a.seq_length))],
             "train_valid_test_num_samples": sizes, "train_dataset_length": gathered[0]["train_len"],
             "megatron_core": megatron.core.__version__, "torch": torch.__version__,
             "runtime_s": round(time.time() - started, 2), "setup_s": round(training_started - started, 2),

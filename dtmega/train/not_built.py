@@ -5,9 +5,12 @@ and the command-line fix. The one list `docs/training.md` ("Not built yet") show
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from dtmega.train.args import ArgumentError, TrainArgs
+from dtmega.train.arg_fields import ArgumentError
+
+if TYPE_CHECKING:  # the parser (args.py) reads the rows, so this module does not import it
+    from dtmega.train.args import TrainArgs
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import dtmega
 from dtmega.data.loader import BatchLoader
 from dtmega.data.sample_order import CyclicOrder
-from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import default_device_type, init_distributed, mesh_sizes
 from dtmega.models import count_parameters
 from dtmega.models.deepseek.mtp_runtime import MTPRuntime
@@ -38,6 +37,8 @@ from dtmega.train.checkpoint import (
 from dtmega.train.divergence import StepHealth
 from dtmega.train.evaluate_loss import evaluate_loss
 from dtmega.train.exit_conditions import ExitConditions
+from dtmega.train.final_export import export_final_hf
+from dtmega.train.memory_hygiene import release_memory
 from dtmega.train.metric_sinks import open_sinks
 from dtmega.train.metrics import (
     MetricsLogger,
@@ -370,33 +371,11 @@ class Trainer:
         return path
 
     def export_hf(self, checkpoint: Path) -> None:
-        """--save-hf: rank 0 writes the final checkpoint as a Hugging Face model; the others wait
-        for its outcome, and a failure is raised on every rank (never a hang)."""
-        from dtmega.mesh import broadcast_object
-
-        problem = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            from dtmega.interop.hf_export import export_hf
-
-            try:
-                export_hf(checkpoint, self.args.save_hf)
-            except (ValueError, OSError) as error:
-                problem = f"--save-hf {self.args.save_hf}: {error} (the checkpoint {checkpoint} is saved)"
-        problem = broadcast_object(problem)
-        if problem:
-            raise DtmegaError(problem)
-        self.console.print(f"wrote the Hugging Face model {self.args.save_hf}")
+        """--save-hf: the final checkpoint as a Hugging Face model (dtmega/train/final_export.py)."""
+        export_final_hf(checkpoint, self.args.save_hf, self.console)
 
     def _release_memory(self, after_validation: bool) -> None:
-        """--manual-gc's collections (every --manual-gc-interval steps; around validations unless
-        --no-manual-gc-eval) and --empty-unused-memory-level's CUDA cache release."""
-        args = self.args
-        if args.manual_gc and (after_validation and not args.no_manual_gc_eval
-                               or not after_validation and args.manual_gc_interval
-                               and self.iteration % args.manual_gc_interval == 0):
-            gc.collect()
-        if self.device_type == "cuda" and args.empty_unused_memory_level >= (2 if after_validation else 1):
-            torch.cuda.empty_cache()
+        release_memory(self.args, self.iteration, self.device_type, after_validation)
 
     def validate(self, result: TrainResult, split: str = "valid") -> None:
         """--eval-iters batches of the validation split (or, once at the end, the test split of

@@ -127,6 +127,7 @@ def test_exit_duration_stops_at_the_first_step_past_it_with_a_checkpoint(run, tm
 def test_the_final_checkpoint_is_saved_before_the_final_validation(run, tmp_path, monkeypatch):
     """A final validation that fails (or is killed) leaves the run's last checkpoint on disk."""
     corpus, _, _ = run
+    from dtmega.train import memory_hygiene
     from dtmega.train import trainer as trainer_module
 
     def validation_dies(*_args, **_kwargs):
@@ -202,6 +203,7 @@ def test_manual_gc_turns_the_collector_off_and_collects_at_its_interval_and_arou
     """--manual-gc --manual-gc-interval 2 over 4 steps validating at 2 and 4: the automatic
     collector is off during the run and back on after it; collections at steps 2 and 4 and
     before and after each of the two validations (6); none of the latter with --no-manual-gc-eval."""
+    from dtmega.train import memory_hygiene
     from dtmega.train import trainer as trainer_module
 
     class Collector:
@@ -224,7 +226,8 @@ def test_manual_gc_turns_the_collector_off_and_collects_at_its_interval_and_arou
     corpus, _, _ = run
     for flags, expected in (({}, 6), ({"no_manual_gc_eval": True}, 2)):
         spy = Collector()
-        monkeypatch.setattr(trainer_module, "gc", spy)
+        monkeypatch.setattr(trainer_module, "gc", spy)  # turns the collector off and on
+        monkeypatch.setattr(memory_hygiene, "gc", spy)  # collects
         train(tiny_args(corpus, train_iters=4, eval_interval=2, eval_iters=1, manual_gc=True, manual_gc_interval=2,
                         **flags))
         assert spy.collections == expected and spy.seen_disabled and spy.enabled

@@ -127,7 +127,6 @@ def test_exit_duration_stops_at_the_first_step_past_it_with_a_checkpoint(run, tm
 def test_the_final_checkpoint_is_saved_before_the_final_validation(run, tmp_path, monkeypatch):
     """A final validation that fails (or is killed) leaves the run's last checkpoint on disk."""
     corpus, _, _ = run
-    from dtmega.train import memory_hygiene
     from dtmega.train import trainer as trainer_module
 
     def validation_dies(*_args, **_kwargs):

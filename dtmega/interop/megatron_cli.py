@@ -45,10 +45,14 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
 
 def convert_megatron(a: argparse.Namespace) -> Path:
     """Checks everything (checkpoint keys, shapes against the flags, tokenizer against the
-    embedding), then reads the checkpoint tensor by tensor into a dtmega checkpoint."""
+    embedding), then reads the checkpoint tensor by tensor into a dtmega checkpoint: a Llama, or
+    a GPT for Megatron's GPT blocks (dtmega/interop/megatron_core_gpt.py)."""
+    import dataclasses
+
     import torch
 
     from dtmega.interop.hf_import import DEFAULT_SEQ_LENGTH
+    from dtmega.models.gpt import GPT
     from dtmega.models.llama import Llama
     from dtmega.models.llama.specs import llama_config_to_dict
     from dtmega.train.checkpoint import save_checkpoint
@@ -58,60 +62,30 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
                                 a.use_rope_scaling, a.rope_scaling_factor, a.norm_epsilon, a.max_position_embeddings)
     if is_gpt_checkpoint(checkpoint):
-        return _convert_gpt(a, checkpoint, arch)
-    config = llama_config_from_megatron(checkpoint, arch)
+        flags = GPTBlockFlags(a.squared_relu, a.no_bias_gelu_fusion, a.apply_layernorm_1p, a.attention_dropout,
+                              a.hidden_dropout)
+        config = gpt_config_from_megatron(checkpoint, arch, flags)
+        name, build, to_dict, read, embedding = "gpt", GPT, dataclasses.asdict, gpt_state_from_megatron, \
+            "embedding.word.weight"
+    else:
+        config = llama_config_from_megatron(checkpoint, arch)
+        name, build, to_dict, read, embedding = "llama", Llama, llama_config_to_dict, dtmega_state_from_megatron, \
+            "tok_embeddings.weight"
     spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token, a.vocab_size)
     tokenizer = build_tokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:
         raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "
                                   f"only {config.vocab_size} rows. Fix: the tokenizer the run was trained with")
-    weights = dtmega_state_from_megatron(checkpoint, config, a.rotary_interleaved)
+    weights = read(checkpoint, config, a.rotary_interleaved)
     if config.tie_embeddings:
-        weights["output.weight"] = weights["tok_embeddings.weight"]
+        weights["output.weight"] = weights[embedding]
     with torch.device("meta"):
-        model = Llama(config)
+        model = build(config)
     model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:  # a bug of the mapping, not of the input
         raise RuntimeError(f"megatron-to-dtmega mapping incomplete: missing {missing}, unexpected {unexpected}")
-    state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "llama",
-             "model_config": llama_config_to_dict(config),
-             "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
-             "source": {"megatron_core": str(checkpoint.path.resolve())}, "run_id": new_run_id()}
-    return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json(),
-                           allow_older=getattr(a, "overwrite_checkpoints", False))
-
-
-def _convert_gpt(a: argparse.Namespace, checkpoint: MegatronCheckpoint, arch: MegatronArchitecture) -> Path:
-    """A checkpoint of Megatron's GPT blocks as a dtmega GPT (dtmega/interop/megatron_core_gpt.py)."""
-    import dataclasses
-
-    import torch
-
-    from dtmega.interop.hf_import import DEFAULT_SEQ_LENGTH
-    from dtmega.models.gpt import GPT
-    from dtmega.train.checkpoint import save_checkpoint
-    from dtmega.train.save_ownership import new_run_id
-
-    flags = GPTBlockFlags(a.squared_relu, a.no_bias_gelu_fusion, a.apply_layernorm_1p, a.attention_dropout,
-                          a.hidden_dropout)
-    config = gpt_config_from_megatron(checkpoint, arch, flags)
-    spec = TokenizerSpec(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.eod_token, a.vocab_size)
-    tokenizer = build_tokenizer(spec)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "
-                                  f"only {config.vocab_size} rows. Fix: the tokenizer the run was trained with")
-    weights = gpt_state_from_megatron(checkpoint, config, a.rotary_interleaved)
-    if config.tie_embeddings:
-        weights["output.weight"] = weights["embedding.word.weight"]
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device="cpu")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:  # a bug of the mapping, not of the input
-        raise RuntimeError(f"megatron-to-dtmega mapping incomplete: missing {missing}, unexpected {unexpected}")
-    state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": "gpt",
-             "model_config": dataclasses.asdict(config),
+    state = {"iteration": 0, "consumed_samples": 0, "world_size": 1, "model": name, "model_config": to_dict(config),
              "args": {"seq_length": min(config.max_seq_len, DEFAULT_SEQ_LENGTH)}, "tokenizer": spec.to_dict(),
              "source": {"megatron_core": str(checkpoint.path.resolve())}, "run_id": new_run_id()}
     return save_checkpoint(a.save, 0, model, None, state, tokenizer_json=tokenizer.to_json(),

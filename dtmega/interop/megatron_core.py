@@ -102,7 +102,9 @@ class MegatronCheckpoint:
         return f"{LAYERS}{index}.{name}", None
 
 
-def _norm_key(checkpoint: MegatronCheckpoint, folded: str, separate: str) -> str:
+def layer_norm_key(checkpoint: MegatronCheckpoint, folded: str, separate: str) -> str:
+    """A layer norm's key: Transformer Engine's name folded into the next linear layer when the
+    checkpoint has it, else the local spec's own (input_layernorm, pre_mlp_layernorm)."""
     return folded if checkpoint.has(LAYERS + folded) or checkpoint.has(f"{LAYERS}0.{folded}") else separate
 
 
@@ -157,8 +159,8 @@ def dtmega_state_from_megatron(checkpoint: MegatronCheckpoint, config: LlamaConf
         tensor = cache[key]
         return (tensor[position] if position is not None else tensor).float()
 
-    attention_norm = _norm_key(checkpoint, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
-    ffn_norm = _norm_key(checkpoint, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+    attention_norm = layer_norm_key(checkpoint, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+    ffn_norm = layer_norm_key(checkpoint, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
     for name, fill in (
         (attention_norm, lambda t, p: {f"{p}.attention_norm.weight": t}),
         ("self_attention.linear_qkv.weight", lambda t, p: _split_qkv(t, p, heads, groups, head_dim, per_group,

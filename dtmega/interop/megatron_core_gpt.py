@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dtmega.interop.megatron_core import LAYERS, MegatronArchitecture, MegatronCheckpoint, MegatronFormatError
+from dtmega.interop.megatron_core import (
+    LAYERS,
+    MegatronArchitecture,
+    MegatronCheckpoint,
+    MegatronFormatError,
+    layer_norm_key,
+)
 from dtmega.models.gpt.config import GPTConfig
 
 
@@ -123,13 +129,10 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
                     f"{prefix}.feed_forward.w3.{kind}": tensor[ffn:].clone()}
         return {f"{prefix}.feed_forward.w1.{kind}": tensor}
 
-    def norm_name(folded: str, separate: str) -> str:  # TE's folded names, or the local spec's own
-        return folded if checkpoint.has(LAYERS + folded) or checkpoint.has(f"{LAYERS}0.{folded}") else separate
-
     names = [
-        (norm_name("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        (layer_norm_key(checkpoint, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
          lambda t, p: {f"{p}.attention_norm.weight": t}),
-        (norm_name("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+        (layer_norm_key(checkpoint, "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
          lambda t, p: {f"{p}.ffn_norm.weight": t}),
         ("self_attention.linear_qkv.weight", lambda t, p: qkv(t, p, "weight")),
         ("self_attention.linear_proj.weight", lambda t, p: {f"{p}.attention.wo.weight": t}),
@@ -138,9 +141,9 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
     ]
     if config.normalization == "LayerNorm":
         names += [
-            (norm_name("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+            (layer_norm_key(checkpoint, "self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
              lambda t, p: {f"{p}.attention_norm.bias": t}),
-            (norm_name("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+            (layer_norm_key(checkpoint, "mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
              lambda t, p: {f"{p}.ffn_norm.bias": t}),
         ]
     if config.has_qkv_bias:

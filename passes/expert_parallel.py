@@ -5,6 +5,11 @@ tokens travel to the rank that holds their expert and back.
 router and every dense weight stay data-parallel over those ranks, while each expert lives on
 one ep rank and is data-parallel over the ranks outside its ep group (Megatron's
 expert-data-parallel group), which `DataParallel` wraps separately.
+
+`fold=("tp",)` is Megatron's MoE parallel folding with expert tensor parallelism 1: the experts
+are spread whole over ep x tp ranks (each TP rank sends its share of the tokens, kernels/moe_fold.py)
+instead of each expert's hidden dim being split over tp; TensorParallel(expert_hidden=False)
+leaves them to this pass.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dtmega.kernels.context_shards import CommStats
 from dtmega.kernels.moe_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher
+from dtmega.kernels.moe_fold import FoldedDispatcher
 from dtmega.passes.base import Pass
 from dtmega.passes.errors import PlanError
 from dtmega.passes.placements import shard, shard_dim
@@ -30,17 +36,22 @@ class ExpertParallel(Pass):
     `dispatcher` = "alltoall" (uneven all-to-all of the routed tokens) or "allgather" (every rank
     sees the group's tokens and computes its experts' share). The router stays replicated. Under
     TensorParallel the experts are also split on their hidden dim (expert tensor parallelism =
-    TP, Megatron's default). Needs a DataParallel pass: ep ranks see different tokens."""
+    TP, Megatron's default), unless `fold` names the tensor axis: then they are spread whole over
+    ep x tp (ETP 1). Needs a DataParallel pass: ep ranks see different tokens."""
 
     axis: str = "ep"
     dispatcher: str = "alltoall"
+    fold: tuple[str, ...] = ()
 
     provides = ("expert_parallel@{axis}",)
     role = "expert"
     after = ("tensor_parallel@*", "sequence_parallel@*")
 
+    def __post_init__(self) -> None:
+        self.fold = tuple(self.fold)  # a TOML plan gives a list
+
     def annotate(self, program: Program) -> None:
-        size = program.axis_size(self.axis)
+        size = program.axis_size(self.axis) * self._fold_size(program)
         if self.dispatcher not in DISPATCHERS:
             raise PlanError(f"ExpertParallel(dispatcher={self.dispatcher!r}) is unknown; use one of {DISPATCHERS}")
         family = program.family
@@ -60,7 +71,7 @@ class ExpertParallel(Pass):
             )
         if moe.num_experts % size:
             raise PlanError(
-                f"num_experts={moe.num_experts} is not divisible by {self.axis}={size}: every expert-parallel rank "
+                f"num_experts={moe.num_experts} is not divisible by {self._spread(program)}={size}: every expert-parallel rank "
                 f"holds the same number of experts. Fix: use {self.axis} in "
                 f"{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}"
             )
@@ -80,16 +91,41 @@ class ExpertParallel(Pass):
                     raise PlanError(f"ExpertParallel expected {fqn!r} in {type(program.model).__name__}; none found")
             entry = program.layout[moe.experts_at(layer)]
             for name in moe.expert_params:
+                for axis in self.fold:
+                    if shard_dim(entry.params[name].placement(axis)) is not None:
+                        raise PlanError(
+                            f"ExpertParallel(fold={self.fold}) spreads the experts of {moe.experts_at(layer)} whole over "
+                            f"{axis!r}, but an earlier pass already placed {name} on it ({entry.params[name].placement(axis)}, "
+                            "TensorParallel's expert hidden-dim split). Fix: TensorParallel(expert_hidden=False) with "
+                            "the fold, or no fold (experts split on their hidden dim, ETP = TP)"
+                        )
                 entry.params[name].placements[self.axis] = shard(0)
+                for axis in self.fold:
+                    entry.params[name].placements[axis] = shard(0)
             entry.kernel = f"moe.dispatch.{self.dispatcher}"
             entry.options = {**entry.options, "expert_parallel": True}
             experts.append(moe.experts_at(layer))
-        program.record(ExpertPlacement(self.axis, size, tuple(experts), self.dispatcher))
+        program.record(ExpertPlacement(self.axis, program.axis_size(self.axis), tuple(experts), self.dispatcher,
+                                       self.fold))
         bound = ""
         if groups and size > 1:
             bound = f"; groups on ranks: a token reaches at most {min(size, moe.group_topk * max(1, size // groups))}"
-        program.note(f"ExpertParallel({self.dispatcher}, {self.axis}={size}): {moe.num_experts // size} of "
+        program.note(f"ExpertParallel({self.dispatcher}, {self._spread(program)}={size}): {moe.num_experts // size} of "
                      f"{moe.num_experts} experts per rank in {len(moe.layers)} layers{bound}")
+
+    def _fold_size(self, program: Program) -> int:
+        tensor = program.axes.name("tensor")
+        for axis in self.fold:
+            if axis != tensor:
+                raise PlanError(
+                    f"ExpertParallel(fold={self.fold}): only the tensor axis ({tensor!r}) can be folded into expert "
+                    f"parallelism (its ranks hold the same tokens before the experts; {axis!r}'s do not). Fix: "
+                    f"fold=({tensor!r},) or fold=()"
+                )
+        return program.axis_size(tensor) if self.fold else 1
+
+    def _spread(self, program: Program) -> str:
+        return " x ".join((self.axis, *self.fold))
 
     def finalize(self, program: Program) -> None:
         if program.axis_size(self.axis) > 1 and program.result(DataParallelism) is None:
@@ -102,11 +138,14 @@ class ExpertParallel(Pass):
         moe = program.facts.moe
         stats = CommStats()
         program.add_hook(ExpertDispatch(stats))
-        group = program.submesh(self.axis).get_group()
+        group = program.flat_submesh((self.axis, *self.fold)).get_group()
         make = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher, "flex": FlexDispatcher}[self.dispatcher]
         for layer in moe.layers:
             for module in program.modules_at(layer):
-                program.family.install_dispatcher(module, make(moe.num_experts, group, stats))
+                dispatcher = make(moe.num_experts, group, stats)
+                if self.fold and program.axis_size(self.fold[0]) > 1:
+                    dispatcher = FoldedDispatcher(dispatcher, program.submesh(self.fold[0]))
+                program.family.install_dispatcher(module, dispatcher)
             entry = program.layout[moe.experts_at(layer)]
             for experts in program.modules_at(moe.experts_at(layer)):
                 self._distribute(program, experts, entry)
@@ -121,7 +160,7 @@ class ExpertParallel(Pass):
             placements = [Shard(shard_dim(layout.placements[axis])) for axis in mesh.mesh_dim_names]
             sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            if tensor in axes:
+            if tensor in axes and tensor not in self.fold:  # the hidden dim split over tp (ETP = TP)
                 experts.tp_mesh = program.submesh(tensor)
 
 

@@ -62,6 +62,7 @@ class ExpertPlacement(PassResult):
     size: int
     experts: tuple[str, ...]
     dispatcher: str
+    fold: tuple[str, ...] = ()  # axes the experts are also spread over, whole (ETP 1)
 
 
 @dataclass(frozen=True)

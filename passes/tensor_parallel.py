@@ -47,11 +47,14 @@ class TensorParallel(Pass):
 
     `rules` extend or override the built-in rule set of the model's family (a rule with style
     'none' removes a module from TP); with `builtin_rules=False` only `rules` apply.
+    `expert_hidden=False` leaves the experts' weights whole on this axis (Megatron's expert tensor
+    parallelism 1), for ExpertParallel(fold=(axis,)) to spread over it.
     """
 
     axis: str = "tp"
     rules: list[Rule] = field(default_factory=list)
     builtin_rules: bool = True
+    expert_hidden: bool = True  # split each expert's hidden dim (ETP = TP); False: ExpertParallel(fold=(axis,))
 
     provides = ("tensor_parallel@{axis}",)
     role = "tensor"
@@ -68,6 +71,8 @@ class TensorParallel(Pass):
                 "(dtmega's own MoE models support it). Fix: parallelize them with ExpertParallel and DataParallel"
             )
         defaults = list(program.family.tp_rules) if (program.family and self.builtin_rules) else []
+        if not self.expert_hidden:  # the experts stay whole here: ExpertParallel folds them over this axis
+            defaults = [rule for rule in defaults if rule.style != "expert_hidden"]
         if not defaults and not self.rules:
             program.facts  # raises the "no rule set knows this model" error
             raise PlanError("TensorParallel has no rules: pass rules=[Rule(pattern, style), ...]")

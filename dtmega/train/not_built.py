@@ -177,12 +177,12 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "your own script does it meanwhile)"),
     NotBuilt("--fp8-margin above 0", ("--fp8-format", "hybrid", "--fp8-margin", "1"), lambda a: a.fp8_margin > 0,
              "an FP8 scale margin is not supported yet (scales use the full range). Fix: --fp8-margin 0"),
-    NotBuilt("--expert-tensor-parallel-size other than TP", ("--num-experts", "4", "--expert-tensor-parallel-size", "2",
-                                                              "--tensor-model-parallel-size", "1"),
-             lambda a: a.expert_tensor_parallel_size not in (None, a.tensor_model_parallel_size),
-             "the experts' hidden dim is split over the tensor-parallel ranks, so ETP equals TP here (Megatron's MoE "
-             "parallel folding, ETP and EP laid over TP x DP apart from the dense layout, is not supported yet). Fix: "
-             "leave --expert-tensor-parallel-size unset, with EP dividing the data-parallel size"),
+    NotBuilt("--expert-tensor-parallel-size other than TP or 1", ("--num-experts", "4", "--expert-tensor-parallel-size",
+                                                                   "2", "--tensor-model-parallel-size", "1"),
+             lambda a: a.num_experts and a.expert_tensor_parallel_size not in (None, 1, a.tensor_model_parallel_size),
+             "the experts' hidden dim is split over all tensor-parallel ranks (ETP = TP) or none (ETP 1: experts "
+             "whole, folded over TP x EP); other expert tensor-parallel sizes are not supported yet. Fix: leave "
+             "--expert-tensor-parallel-size unset (= TP) or 1"),
     NotBuilt("--moe-router-load-balancing-type global_aux_loss", ("--num-experts", "4", "--moe-router-load-balancing-type",
                                                                    "global_aux_loss"),
              lambda a: a.moe_router_load_balancing_type == "global_aux_loss",

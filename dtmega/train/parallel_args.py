@@ -48,8 +48,9 @@ class ParallelArgs:
     grad_reduce_in_bf16: bool = _opt(False, "reduce gradients across data-parallel ranks in bf16 (default fp32)")
     data_parallel_shard_size: int | None = _opt(None, "ranks each HSDP replica shards over (with --data-parallel hsdp)")
     expert_model_parallel_size: int = _opt(1, "EP size: experts split over this many of the data-parallel ranks")
-    expert_tensor_parallel_size: int | None = _opt(None, "ETP size: each expert's hidden dim split (only = TP is "
-                                                         "supported; default TP)")
+    expert_tensor_parallel_size: int | None = _opt(None, "ETP size: TP (each expert's hidden dim split, the "
+                                                         "default) or 1 (experts whole, spread over EP ranks that take "
+                                                         "in TP, Megatron's MoE parallel folding)")
     cpu_optimizer: bool = _opt(False, "keep fp32 weights, gradients and Adam state on the host and step there "
                                       "(FSDP2's CPU offload; implies --data-parallel fsdp unless hsdp is given)")
     cpu_optimizer_type: str = _opt("ADAM", "the host optimizer (AdamW, as on the device)", ("ADAM", "adam"))
@@ -67,22 +68,24 @@ class ParallelArgs:
         """The passes that split the model within a data-parallel replica (TP, SP, CP, EP) and
         recompute, in plan order; `shape` is the run's RunShape."""
         passes: list[Pass] = []
+        etp = self.expert_tensor_parallel_size
+        whole_experts = etp == 1 and bool(self.num_experts)  # type: ignore[attr-defined]  # ETP 1
         if shape.tp > 1:
-            passes.append(TensorParallel())
+            passes.append(TensorParallel(expert_hidden=not whole_experts))
         if self.sequence_parallel and shape.tp > 1:  # at TP 1 Megatron turns it off with a warning (plan_notes)
             passes.append(SequenceParallel())
         if shape.cp > 1:
             method = {"p2p": "ring", "all_gather": "all_gather", "a2a": "a2a"}[self.cp_comm_type]
             passes.append(ContextParallel(method=method))
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != shape.tp:
+        if etp is not None and shape.world % (etp * shape.expert_parallel * shape.pp):  # Megatron's expert-group check
             raise ArgumentError(
-                f"--expert-tensor-parallel-size {etp}: the experts' hidden dim is split over the tensor-parallel "
-                f"ranks, so ETP equals TP ({shape.tp}) here (ETP < TP, Megatron's parallel folding, is not supported "
-                "yet). Fix: leave it unset"
+                f"--expert-tensor-parallel-size {etp}: the world of {shape.world} ranks is not a multiple of ETP x EP x "
+                f"PP = {etp * shape.expert_parallel * shape.pp} (Megatron builds its expert groups over the whole "
+                "world). Fix: launch a multiple of it, or leave --expert-tensor-parallel-size unset (= TP)"
             )
-        if shape.ep > 1:
-            passes.append(ExpertParallel(dispatcher=self.moe_token_dispatcher_type))  # type: ignore[attr-defined]
+        if shape.ep > 1 or shape.expert_fold > 1:
+            fold = ("tp",) if shape.expert_fold > 1 else ()
+            passes.append(ExpertParallel(dispatcher=self.moe_token_dispatcher_type, fold=fold))  # type: ignore[attr-defined]
         return passes + self._recompute_passes(n_layers)
 
     def _recompute_passes(self, n_layers: int) -> list[Pass]:

@@ -428,7 +428,8 @@ def dry_run(args: TrainArgs, notes: list[str]) -> Layout:
     out.print(
         f"dry run for {world} ranks: {layout.global_param_count():,} parameters, {layout.local_param_count():,} "
         f"({layout.local_bytes() / 2**30:.2f} GiB) on the first rank | PP {s.pp} x DP {s.dp} x CP {s.cp} x TP {s.tp}"
-        + (f" (EP {s.ep})" if s.ep > 1 else "")
+        + (f" (EP {s.expert_parallel}" + (": ETP 1, folded over TP)" if s.expert_fold > 1 else ")")
+           if s.expert_parallel > 1 else "")
         + f" | global batch {s.global_batch} = micro {s.micro_batch} x DP {s.dp} x accumulation {s.accumulation}"
         f" | plan: {', '.join(p.name for p in run.plan.passes)}. Arguments, files and plan check out; nothing ran."
     )

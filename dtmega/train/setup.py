@@ -32,6 +32,12 @@ class RunShape:
     micro_batch: int
     global_batch: int
     accumulation: int
+    expert_fold: int = 1  # TP ranks the experts are also spread over, whole (ETP 1 folding); EP = ep x this
+
+    @property
+    def expert_parallel(self) -> int:
+        """Megatron's --expert-model-parallel-size: the ranks one layer's experts are spread over."""
+        return self.ep * self.expert_fold
 
     def mesh_sizes(self) -> dict[str, int]:
         """The mesh this run needs, as `dtmega.make_mesh` keyword arguments."""
@@ -120,7 +126,9 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
             f"--microbatches {counted} disagrees with --global-batch-size {global_batch} / (--micro-batch-size {micro} "
             f"x data-parallel size {dp}) = {global_batch // (micro * dp)}; give one of them"
         )
-    ep = args.expert_model_parallel_size
+    ep, fold = args.expert_model_parallel_size, expert_fold(args)
+    if fold > 1:
+        ep //= fold  # the rest of EP's ranks come from data parallelism
     if ep < 1 or dp % ep:
         raise ArgumentError(
             f"--expert-model-parallel-size {ep}: expert parallelism borrows data-parallel ranks, and the data-parallel "
@@ -153,15 +161,38 @@ def run_shape(args: TrainArgs, world: int) -> RunShape:
         replicate //= ep
     else:
         shard //= ep
-    return RunShape(world, tp, pp, cp, dp, replicate, shard, ep, micro, global_batch, global_batch // (micro * dp))
+    return RunShape(world, tp, pp, cp, dp, replicate, shard, ep, micro, global_batch, global_batch // (micro * dp), fold)
+
+
+def expert_fold(args: TrainArgs) -> int:
+    """How many tensor-parallel ranks the experts are spread over whole (Megatron's MoE parallel
+    folding with --expert-tensor-parallel-size 1): TP when EP reaches over them, else 1. With
+    ETP 1 and EP below TP the experts stay whole and replicated over TP (TensorParallel leaves
+    them alone); EP neither below TP nor a multiple of it is refused."""
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size != 1 or tp == 1 or not _has_experts(args) or ep == 1:
+        return 1
+    if ep % tp:
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size 1 with --expert-model-parallel-size {ep} and --tensor-model-parallel-size "
+            f"{tp}: the experts are spread whole over EP ranks that take in all {tp} TP ranks of a group (Megatron's "
+            f"folding); {ep} is not a multiple of {tp}. Fix: an EP that is a multiple of {tp}, or EP 1 (experts whole "
+            "on every TP rank)"
+        )
+    return tp
 
 
 def plan_notes(args: TrainArgs, shape: RunShape) -> list[str]:
     """What the plan leaves out of what the flags ask for, as Megatron warns of it."""
+    notes = []
     if args.sequence_parallel and shape.tp == 1:
-        return ["--sequence-parallel with --tensor-model-parallel-size 1: sequence parallelism is off (it splits "
-                "what tensor parallelism replicates; Megatron turns it off the same way)"]
-    return []
+        notes.append("--sequence-parallel with --tensor-model-parallel-size 1: sequence parallelism is off (it splits "
+                     "what tensor parallelism replicates; Megatron turns it off the same way)")
+    etp = args.expert_tensor_parallel_size
+    if not args.num_experts and etp not in (None, shape.tp):
+        notes.append(f"--expert-tensor-parallel-size {etp} without --num-experts: the model has no experts, so it splits "
+                     "nothing (Megatron builds its expert groups and uses none)")
+    return notes
 
 
 def build_plan(args: TrainArgs, shape: RunShape, n_layers: int) -> Plan:

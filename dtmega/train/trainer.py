@@ -442,7 +442,8 @@ class Trainer:
             f"{self.num_params:,} parameters"
             + (f" ({self.config.num_active_params():,} active per token)" if getattr(self.config, "moe", None) else "")
             + f" | world {shape.world} = PP {shape.pp} x DP {shape.dp} x CP {shape.cp} x TP {shape.tp}"
-            + (f" (EP {shape.ep} of the DP ranks)" if shape.ep > 1 else "") + " | "
+            + (f" (EP {shape.expert_parallel} of the DP" + (" x TP ranks)" if shape.expert_fold > 1 else " ranks)")
+               if shape.expert_parallel > 1 else "") + " | "
             f"global batch {shape.global_batch} = micro {shape.micro_batch} x DP {shape.dp} x accumulation "
             f"{shape.accumulation} | {args.seq_length} tokens/sample | MFU peak: {self.peak_source}"
         )

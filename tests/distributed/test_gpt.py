@@ -61,6 +61,13 @@ MOE_PLANS = {
     "ep2_fsdp2": (dict(dp_shard=2, ep=2), [ExpertParallel(dispatcher="alltoall"), DataParallel("fsdp")]),
     "ep2_tp2_sp": (dict(tp=2, ep=2), [TensorParallel(), SequenceParallel(), ExpertParallel(dispatcher="allgather"),
                                       DataParallel("fsdp")]),
+    # Megatron's MoE parallel folding with expert tensor parallelism 1: experts whole, spread over
+    # ep x tp (one per rank), each TP rank sending its share of the tokens (kernels/moe_fold.py)
+    "ep2_tp2_sp_etp1": (dict(tp=2, ep=2), [TensorParallel(expert_hidden=False), SequenceParallel(),
+                                           ExpertParallel(dispatcher="alltoall", fold=("tp",)), DataParallel("fsdp")]),
+    "tp2_sp_fsdp2_etp1": (dict(tp=2, dp_shard=2), [TensorParallel(expert_hidden=False), SequenceParallel(),
+                                                   ExpertParallel(dispatcher="alltoall", fold=("tp",)),
+                                                   DataParallel("fsdp")]),
 }
 
 

@@ -36,10 +36,12 @@ def shrunk(line: str, corpus: str) -> list[str]:
     return out + ["--data-path", corpus, "--split", "90,10,0", "--tokenizer-type", "byte", "--seed", "7"]
 
 
-@pytest.mark.parametrize("name, line", [("llama_70b_3d", LLAMA_70B_3D), ("moe_tp2_ep4", MOE_TP2_EP4)])
+@pytest.mark.parametrize("name, line", [("llama_70b_3d", LLAMA_70B_3D), ("moe_tp2_ep4", MOE_TP2_EP4),
+                                        ("moe_tp2_ep4_etp1", MOE_TP2_EP4 + " --expert-tensor-parallel-size 1")])
 def test_a_tiny_version_of_the_seed_line_trains_with_the_loss_falling(name, line, corpus):
     # the 3D line: GPT blocks on TP 2 x PP 2, the embedding tied across the two stages, dropout 0.1;
-    # the MoE line: GeLU experts on TP 2 x EP 2
+    # the MoE line: GeLU experts on TP 2 x EP 2; with ETP 1 (Megatron's folding) the experts are
+    # whole, one pair per TP rank of each data-parallel pair's EP 2
     result = train(shrunk(line, corpus))
     assert len(result.losses) == 20
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3

@@ -182,10 +182,48 @@ def test_moe_presets_and_errors():
     with pytest.raises(ArgumentError, match="top_k=5 must be between 1 and num_experts=4"):
         model_config(parse_train_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
                                        "--num-experts", "4", "--moe-router-topk", "5"])[0], 256)
+    args, _ = parse_train_args(["--num-experts", "8", "--tensor-model-parallel-size", "4",
+                                "--expert-tensor-parallel-size", "2"])
+    with pytest.raises(ArgumentError, match="other expert tensor-parallel sizes are not supported yet"):
+        build_plan(args, run_shape(args, world=4), 4)
+
+
+def test_expert_tensor_parallel_size_1_folds_the_experts_over_tp_as_megatron():
+    """ETP 1 (Megatron's MoE parallel folding): EP's ranks take in the TP ranks, so the mesh's ep
+    axis is EP / TP carved from data parallelism and ExpertParallel folds tp in; the expert data
+    parallelism is world / (EP x PP) as Megatron's. EP below TP keeps the experts whole on every
+    TP rank; EP neither below TP nor a multiple of it is refused by name."""
+    from dtmega.passes import ExpertParallel, TensorParallel
+
+    args, _ = parse_train_args(["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"])
+    shape = run_shape(args, world=8)
+    assert (shape.tp, shape.dp, shape.ep, shape.expert_fold, shape.expert_parallel) == (2, 4, 2, 2, 4)
+    passes = {type(item): item for item in build_plan(args, shape, 4).passes}
+    assert passes[TensorParallel].expert_hidden is False and passes[ExpertParallel].fold == ("tp",)
     args, _ = parse_train_args(["--num-experts", "8", "--tensor-model-parallel-size", "2",
                                 "--expert-tensor-parallel-size", "1"])
-    with pytest.raises(ArgumentError, match="ETP equals TP"):
-        build_plan(args, run_shape(args, world=4), 4)
+    shape = run_shape(args, world=4)
+    passes = {type(item): item for item in build_plan(args, shape, 4).passes}
+    assert shape.expert_fold == 1 and ExpertParallel not in passes and passes[TensorParallel].expert_hidden is False
+    args, _ = parse_train_args(["--num-experts", "8", "--tensor-model-parallel-size", "4",
+                                "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
+    with pytest.raises(ArgumentError, match="2 is not a multiple of 4"):
+        run_shape(args, world=8)
+
+
+def test_expert_tensor_parallel_size_without_experts_splits_nothing_but_needs_megatrons_world():
+    """Megatron builds its expert groups (ETP x EP x PP ranks) even for a dense model, and refuses a
+    world they do not tile; a dense model's ETP other than TP is accepted here with a note."""
+    from dtmega.train.setup import plan_notes
+
+    args, _ = parse_train_args(["--num-layers", "2", "--tensor-model-parallel-size", "2",
+                                "--expert-tensor-parallel-size", "4"])
+    shape = run_shape(args, world=4)
+    assert [type(item).__name__ for item in build_plan(args, shape, 2).passes][0] == "TensorParallel"
+    assert any("without --num-experts" in note for note in plan_notes(args, shape))
+    with pytest.raises(ArgumentError, match="not a multiple of ETP x EP x PP = 4"):
+        build_plan(args, run_shape(args, world=2), 2)
 
 
 @pytest.mark.parametrize("name", ["demo", "moe"])

@@ -239,12 +239,13 @@ class ParallelModel(ModelWeights):
         return loss
 
     @torch.no_grad()
-    def loss_sum(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_sum(self, batch: TensorDict, microbatches: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, number of loss tokens) of the *global* batch this rank's `batch` is part
-        of, without gradients: for validation, where batches are averaged by tokens."""
+        of, without gradients: for validation, where batches are averaged by tokens. `batch` is
+        run in `microbatches` pieces (None: as a training step's)."""
         refuse_whole_step_compile("loss_sum")
         fields = self.prepare_batch(batch)
-        step, tokens = self._step(fields, None, 1.0, train=False)
+        step, tokens = self._step(fields, microbatches, 1.0, train=False)
         total = self._data_sum(self.executor.run(fields, step, self.hooks))
         self.reshard()
         return total, tokens

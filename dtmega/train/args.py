@@ -65,6 +65,10 @@ NOTED_FLAGS = {
     "check_for_nan_in_loss_and_grad": "on by default here (--no-check-for-nan-in-loss-and-grad turns it off; "
                                       "--max-skipped-steps bounds the streak)",
     "use_mcore_models": "dtmega has one model implementation",
+    "rotary_interleaved": "dtmega's RoPE rotates adjacent channel pairs (Meta's layout), which is what this flag asks "
+                          "of Megatron (without it Megatron rotates each head's halves: the same model up to a fixed "
+                          "permutation of the query/key channels, which `dtmega convert megatron-to-dtmega` undoes "
+                          "unless given --rotary-interleaved)",
     "use_flash_attn": "attention uses torch's scaled_dot_product_attention, which picks flash kernels itself",
     "no_masked_softmax_fusion": "attention runs torch's fused SDPA kernels (causal masking inside them)",
     "no_persist_layer_norm": "Apex's persistent LayerNorm does not exist here; --no-rms-norm-fusion turns dtmega's "

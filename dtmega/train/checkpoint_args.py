@@ -16,7 +16,7 @@ class CheckpointArgs:
     """Checkpoints, evaluation, logging and the collective timeout."""
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "save_retain_interval", "eval_interval", "log_interval",
-        "straggler_minmax_count", "exit_interval")
+        "straggler_minmax_count", "exit_interval", "eval_global_batch_size", "eval_micro_batch_size")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed", "manual_gc_interval")
     # strictly positive reals
@@ -53,6 +53,10 @@ class CheckpointArgs:
                                                      "many minutes since the start (all ranks agree on the step)")
     eval_interval: int = _opt(1000, "steps between validation runs")
     eval_iters: int = _opt(100, "validation batches per run")
+    eval_global_batch_size: int | None = _opt(None, "sequences per validation batch over all data-parallel ranks "
+                                                    "(default --global-batch-size; a multiple of "
+                                                    "--eval-micro-batch-size x the data-parallel size)")
+    eval_micro_batch_size: int | None = _opt(None, "sequences per validation micro-batch (default --micro-batch-size)")
     log_interval: int = _opt(100, "steps between metric logs")
     log_straggler: bool = _opt(False, "at every log: each rank's step time and batch-fetching time, the fastest "
                                       "and slowest ranks named (one small all-gather)")

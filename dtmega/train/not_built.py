@@ -270,13 +270,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
                        "--apply-wd-to-qk-layernorm", "--moe-shared-expert-gate", "--dsa-*"),
              reason="Megatron's experimental attention variants (gated delta net, DeepSeek sparse attention) are not "
                     "built yet. Fix: leave the flags out (softmax attention)"),
-    NotBuilt("--eval-global-batch-size", ("--eval-global-batch-size", "8"), _never,
-             unparsed=("--eval-global-batch-size",),
-             reason="a validation batch of another size than the training's is not supported yet. Fix: leave it out "
-                    "(validation uses --global-batch-size)"),
-    NotBuilt("--rotary-interleaved", ("--rotary-interleaved",), _never, unparsed=("--rotary-interleaved",),
-             reason="RoPE on interleaved pairs (GPT-J's layout) is not built yet (RoPE rotates the two halves of each "
-                    "head). Fix: leave it out"),
     NotBuilt("--disable-gloo-process-groups", ("--disable-gloo-process-groups",), _never,
              unparsed=("--disable-gloo-process-groups",),
              reason="dtmega makes a gloo group for --async-save's background writer (and runs on gloo on a CPU); "

@@ -27,6 +27,7 @@ from dtmega.passes import Layout, Plan, family_of
 from dtmega.train.args import ArgumentError, TrainArgs
 from dtmega.train.checkpoint import CheckpointError, read_state, select_checkpoint
 from dtmega.train.checkpoint_paths import check_save_dir, fresh_start_note
+from dtmega.train.eval_batch import eval_batch
 from dtmega.train.run_data import RunData, plan_run_data
 from dtmega.train.save_ownership import check_save_ownership
 from dtmega.train.setup import (
@@ -217,6 +218,7 @@ def prepare_run(args: TrainArgs, world: int) -> RunPlan:
     data = plan_run_data(args, shape.global_batch)  # every split the launch builds, refused here as there
     notes += data.notes
     plan = build_plan(args, shape, layers_of(spec, config))
+    eval_batch(args, shape, plan)  # --eval-global-batch-size over the data-parallel ranks and the schedule
     notes += plan_notes(args, shape)
     if data.validates:
         notes += validation_cost_note(args, args.total_steps(shape.global_batch))

@@ -27,9 +27,10 @@ def sample_counts(args: Any, global_batch: int) -> dict[str, int]:
     steps = args.total_steps(global_batch)
     train = args.train_samples if args.train_samples is not None else steps * global_batch
     validations = steps // args.eval_interval + 1 if args.eval_interval else 1
-    sizes = {"train": train, "valid": validations * args.eval_iters * global_batch}
+    eval_batch = args.eval_global_batch_size or global_batch  # Megatron's: --eval-global-batch-size's batches
+    sizes = {"train": train, "valid": validations * args.eval_iters * eval_batch}
     if args.test_data_path:
-        sizes["test"] = args.eval_iters * global_batch
+        sizes["test"] = args.eval_iters * eval_batch
     return sizes
 
 

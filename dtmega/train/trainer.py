@@ -35,6 +35,7 @@ from dtmega.train.checkpoint import (
     select_checkpoint,
 )
 from dtmega.train.divergence import StepHealth
+from dtmega.train.eval_batch import eval_batch
 from dtmega.train.evaluate_loss import evaluate_loss
 from dtmega.train.exit_conditions import ExitConditions
 from dtmega.train.final_export import export_final_hf
@@ -392,7 +393,7 @@ class Trainer:
                                  on_batch=bar.advance, start=self.consumed_valid if split == "valid" else 0)
         self._release_memory(after_validation=True)
         if split == "valid":
-            self.consumed_valid += self.args.eval_iters * self.shape.global_batch
+            self.consumed_valid += self.args.eval_iters * eval_batch(self.args, self.shape).global_batch
             result.validation.append((self.iteration, loss))
         else:
             result.test_loss = loss

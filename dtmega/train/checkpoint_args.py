@@ -16,7 +16,8 @@ class CheckpointArgs:
     """Checkpoints, evaluation, logging and the collective timeout."""
     # sizes and counts that must be >= 1 when given (None: derive it)
     at_least_one: ClassVar[tuple[str, ...]] = ("save_interval", "save_retain_interval", "eval_interval", "log_interval",
-        "straggler_minmax_count", "exit_interval", "eval_global_batch_size", "eval_micro_batch_size")
+        "straggler_minmax_count", "exit_interval", "eval_global_batch_size", "eval_micro_batch_size",
+        "check_weight_hash_across_dp_replicas_interval")
     # counts, rates and coefficients where 0 means none but a negative value means nothing
     at_least_zero: ClassVar[tuple[str, ...]] = ("eval_iters", "seed", "manual_gc_interval")
     # strictly positive reals
@@ -58,6 +59,12 @@ class CheckpointArgs:
                                                     "--eval-micro-batch-size x the data-parallel size)")
     eval_micro_batch_size: int | None = _opt(None, "sequences per validation micro-batch (default --micro-batch-size)")
     log_interval: int = _opt(100, "steps between metric logs")
+    check_weight_hash_across_dp_replicas_interval: int | None = _opt(
+        None, "at the start and every this many steps, hash every replicated weight and compare the copies over "
+              "the ranks the plan replicates it on (data-parallel replicas, TP, CP, EP; dtmega/replicas.py); a "
+              "mismatch stops the run naming the weight and ranks")
+    test_mode: bool = _opt(False, "Megatron's real-time consistency test: the replicated-weight check after every "
+                                  "step (Megatron compares the q/k norm weights over TP and DP ranks in each forward)")
     log_straggler: bool = _opt(False, "at every log: each rank's step time and batch-fetching time, the fastest "
                                       "and slowest ranks named (one small all-gather)")
     straggler_minmax_count: int = _opt(1, "with --log-straggler: how many fastest and slowest ranks to name")

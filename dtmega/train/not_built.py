@@ -250,10 +250,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              reason="Transformer Engine's activation offloading, op fuser, fused router and TP-overlap configuration are "
                     "not built yet (memory and speed features). Fix: leave the flags out (--recompute-granularity or "
                     "--cpu-optimizer for memory)"),
-    NotBuilt("--check-weight-hash-across-dp-replicas-interval --test-mode", ("--test-mode",), _never,
-             unparsed=("--check-weight-hash-across-dp-replicas-interval", "--test-mode"),
-             reason="checking at run time that replicated weights agree across ranks is not built yet. Fix: leave the "
-                    "flags out (every checkpoint's files are verified against their checksums at load)"),
     NotBuilt("--error-injection-rate --error-injection-type", ("--error-injection-rate", "100"), _never,
              unparsed=("--error-injection-*",),
              reason="Megatron's re-run engine injects faults to test itself; dtmega has no re-run engine (non-finite "

@@ -51,6 +51,7 @@ from dtmega.train.metrics import (
 from dtmega.train.optim import LossScaler, clip_grads_, grad_norm, params_norm, scale_grads, zeros_in_grad
 from dtmega.train.prepare import dry_run, prepare_run
 from dtmega.train.process_settings import apply_process_settings
+from dtmega.train.replica_check import check_replicas_when_due
 from dtmega.train.save_lock import lock_save_dir
 from dtmega.train.save_ownership import new_run_id
 from dtmega.train.schedule import resumed_schedule
@@ -450,8 +451,8 @@ class Trainer:
         )
         if self.unigram_entropy is not None:
             self.console.print(f"unigram entropy of the data: {self.unigram_entropy:.3f} nats/token")
-        window_losses, window_start, skipped = [], time.perf_counter(), 0
-        window_steps, window_moe, window_mtp = 0, [], []
+        check_replicas_when_due(args, self.pm, self.iteration, start=True)
+        window_losses, window_start, skipped, window_steps, window_moe, window_mtp = [], time.perf_counter(), 0, 0, [], []
         health = None
         if not args.no_check_for_nan_in_loss_and_grad:
             health = StepHealth(args.max_skipped_steps, loss_only=self.scaler is not None, console=self.console,
@@ -476,6 +477,7 @@ class Trainer:
             loss, norm, overflow = self.step(batch)  # device values: read only when logging
             self.iteration += 1
             self._release_memory(after_validation=False)
+            check_replicas_when_due(args, self.pm, self.iteration)
             if health is not None:
                 health.record(self.iteration, loss, norm)  # checks the step before this one
             window_losses.append(loss)

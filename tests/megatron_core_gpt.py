@@ -3,7 +3,7 @@ layers, width 64, 4 heads in 2 query groups, SwiGLU, RMSNorm, RoPE, untied outpu
 logits on fixed tokens, and `dist_checkpointing.save` in the torch_dist format. Run under
 torchrun (`--nproc-per-node 2` saves a tensor-parallel TP2 original):
 
-    torchrun --nproc-per-node 2 tests/megatron_core_gpt.py OUT_DIR [--gpt-blocks]
+    torchrun --nproc-per-node 2 tests/megatron_core_gpt.py OUT_DIR [--gpt-blocks [--qk-layernorm]]
 
 megatron-core 0.16 assumes CUDA in four places that a CPU run reaches; each is replaced for
 this process only (they run nothing CUDA-specific here): `torch.cuda.current_device` (where
@@ -25,11 +25,13 @@ import torch.nn.functional as F
 VOCAB, SEQ = 264, 16  # dtmega's byte tokenizer (258 ids) fits; TP2 divides it
 
 
-def main(out: str, gpt_blocks: bool = False) -> None:
+def main(out: str, gpt_blocks: bool = False, qk_layernorm: bool = False) -> None:
     """`gpt_blocks`: Megatron's GPT blocks instead (what pretrain_gpt.py builds without --swiglu):
     LayerNorm, learned absolute positions, biases on every linear layer, a GeLU MLP of 4 x hidden
     (F.gelu: --no-bias-gelu-fusion), the output tied to the word embedding; dropout 0 (a forward
-    in eval mode drops nothing anyway)."""
+    in eval mode drops nothing anyway). `qk_layernorm` (with gpt_blocks): --qk-layernorm (a
+    LayerNorm on each query and key head) with RoPE instead of learned positions, so the norms'
+    per-head vectors are read in Megatron's half-split channel order."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     from megatron.core import dist_checkpointing, parallel_state
@@ -55,9 +57,10 @@ def main(out: str, gpt_blocks: bool = False) -> None:
         gradient_accumulation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32,
         tensor_model_parallel_size=tp, layernorm_epsilon=1e-5,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=block["normalization"]),
-                     vocab_size=VOCAB, max_sequence_length=64,
-                     position_embedding_type="learned_absolute" if gpt_blocks else "rope", rotary_base=10000,
+    spec = get_gpt_layer_local_spec(normalization=block["normalization"], qk_layernorm=qk_layernorm)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
+                     position_embedding_type="learned_absolute" if gpt_blocks and not qk_layernorm else "rope",
+                     rotary_base=10000,
                      share_embeddings_and_output_weights=gpt_blocks).eval()
     if gpt_blocks:  # biases and LayerNorm weights start at 0 and 1: random, so a misplaced one shows; the MLP's
         # inputs O(1) (its weights x 20), where GeLU's erf and tanh forms differ by ~1e-3, not ~1e-6
@@ -89,4 +92,4 @@ if __name__ == "__main__":  # the torch_dist writer's spawned helper re-imports 
     # The process ends normally, not with os._exit as benchmarks/common.run_worker does: the
     # torch_dist writer's spawned multiprocessing Manager is shut down at exit, and skipping that
     # would leave it holding the caller's pipes open (the test waiting on them forever).
-    main(sys.argv[1], gpt_blocks="--gpt-blocks" in sys.argv[2:])
+    main(sys.argv[1], gpt_blocks="--gpt-blocks" in sys.argv[2:], qk_layernorm="--qk-layernorm" in sys.argv[2:])

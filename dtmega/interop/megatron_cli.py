@@ -77,6 +77,13 @@ def convert_megatron(a: argparse.Namespace) -> Path:
         raise MegatronFormatError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's embedding "
                                   f"only {config.vocab_size} rows. Fix: the tokenizer the run was trained with")
     weights = read(checkpoint, config, a.rotary_interleaved)
+    unread = checkpoint.unread_weights()
+    if unread:  # a feature of the run this conversion does not know: refused, never dropped
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        raise MegatronFormatError(
+            f"{checkpoint.path} holds weights the dtmega {name} model would not read: {shown}. Converting would drop "
+            "them and compute another model. Fix: none yet for these weights (docs/checkpoints.md lists the keys "
+            "read); convert through Hugging Face if the model exists there")
     if config.tie_embeddings:
         weights["output.weight"] = weights[embedding]
     with torch.device("meta"):

@@ -71,6 +71,7 @@ class MegatronCheckpoint:
                 "written with --ckpt-format torch_dist). Fix: the iter_* directory itself")
         metadata = read_dcp_metadata(self.path).state_dict_metadata
         self.tensors = {key: meta for key, meta in metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        self.read_keys: set[str] = set()
         if any(".experts." in key or ".router." in key for key in self.tensors):
             raise MegatronFormatError(f"{self.path} holds a mixture-of-experts model; dtmega converts Megatron-Core "
                                       "dense GPT checkpoints (convert MoE models through Hugging Face's Mixtral)")
@@ -88,11 +89,18 @@ class MegatronCheckpoint:
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor `key` in its stored dtype (one process, no process group)."""
         meta = self.tensors[key]
+        self.read_keys.add(key)
         state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             load_dcp(state, self.path, no_dist=True)
         return state[key]
+
+    def unread_weights(self) -> list[str]:
+        """The model's weights (embedding, decoder, output layer) no read has taken: what a
+        conversion would drop (TE's `_extra_state` and optimizer state are not weights)."""
+        return sorted(key for key in self.tensors if key.startswith(("embedding.", "decoder.", "output_layer."))
+                      and not key.endswith("_extra_state") and key not in self.read_keys)
 
     def layer_key(self, name: str, index: int) -> tuple[str, int | None]:
         """(key, index into its stacked layer dimension or None) of layer `index`'s `name`."""

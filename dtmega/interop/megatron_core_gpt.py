@@ -80,6 +80,7 @@ def gpt_config_from_megatron(checkpoint: MegatronCheckpoint, arch: MegatronArchi
     learned = checkpoint.has("embedding.position_embeddings.weight")
     positions = checkpoint.shape("embedding.position_embeddings.weight")[0] if learned else arch.max_position_embeddings
     activation = "swiglu" if gated else "squared_relu" if flags.squared_relu else "gelu"
+    qk_norm_key, _ = checkpoint.layer_key("self_attention.q_layernorm.weight", 0)
     return GPTConfig(
         dim=dim, n_layers=_layers(checkpoint), n_heads=heads, n_kv_heads=groups, vocab_size=vocab, ffn_dim=ffn,
         max_seq_len=positions, normalization="LayerNorm" if layer_norm else "RMSNorm",
@@ -88,7 +89,7 @@ def gpt_config_from_megatron(checkpoint: MegatronCheckpoint, arch: MegatronArchi
         bias=checkpoint.has(bias_key), qkv_bias=checkpoint.has(qkv_bias_key), activation=activation,
         gelu_approximate="none" if flags.no_bias_gelu_fusion or not checkpoint.has(bias_key) else "tanh",
         attention_dropout=flags.attention_dropout, hidden_dropout=flags.hidden_dropout,
-        tie_embeddings=not checkpoint.has("output_layer.weight"),
+        tie_embeddings=not checkpoint.has("output_layer.weight"), qk_norm=checkpoint.has(qk_norm_key),
     )
 
 
@@ -148,6 +149,16 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
         ]
     if config.has_qkv_bias:
         names.append(("self_attention.linear_qkv.bias", lambda t, p: qkv(t[:, None], p, "bias")))
+
+    def head_vector(tensor: torch.Tensor) -> torch.Tensor:  # a q/k norm's [head_dim] in dtmega's channel order
+        return hf_rows_to_dtmega(tensor[:, None], 1)[:, 0].contiguous() if reorder else tensor
+
+    if config.qk_norm:  # --qk-layernorm: the block's norm kind on each head, weights (and biases) [head_dim]
+        for kind in ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",):
+            names += [(f"self_attention.q_layernorm.{kind}",
+                       lambda t, p, kind=kind: {f"{p}.attention.q_norm.{kind}": head_vector(t)}),
+                      (f"self_attention.k_layernorm.{kind}",
+                       lambda t, p, kind=kind: {f"{p}.attention.k_norm.{kind}": head_vector(t)})]
     if config.bias:
         names += [("self_attention.linear_proj.bias", lambda t, p: {f"{p}.attention.wo.bias": t}),
                   ("mlp.linear_fc1.bias", lambda t, p: split_fc1(t, p, "bias")),

@@ -51,7 +51,7 @@ def _gpt_features_elsewhere(args: TrainArgs) -> bool:
     from dtmega.models.gpt.megatron import gpt_features
 
     sized = args.model is None and not args.load_hf and args.num_layers is not None
-    return sized and (args.qk_layernorm or args.multi_latent_attention) and bool(gpt_features(args))
+    return sized and args.multi_latent_attention and bool(gpt_features(args))
 
 
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
@@ -86,12 +86,13 @@ def _has_multi_token_prediction(args) -> bool:
 
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("GPT-block features with --qk-layernorm or --multi-latent-attention",
-             ("--qk-layernorm", "--normalization", "LayerNorm"), _gpt_features_elsewhere,
-             "Qwen3's and DeepSeek's blocks are Llama-shaped (SwiGLU, RMSNorm, RoPE, no biases, no dropout); LayerNorm, "
-             "learned positions, biases, GeLU and dropout are built in the GPT family only. Fix: --swiglu "
-             "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --attention-dropout 0 "
-             "--hidden-dropout 0 with those flags (as Megatron's Qwen3 and DeepSeek scripts pass them)",
+    NotBuilt("GPT-block features with --multi-latent-attention",
+             ("--multi-latent-attention", "--qk-layernorm", "--normalization", "LayerNorm"), _gpt_features_elsewhere,
+             "DeepSeek's blocks are Llama-shaped (SwiGLU, RMSNorm, RoPE, no biases, no dropout); LayerNorm, learned "
+             "positions, biases, GeLU and dropout are built in the GPT family only, whose attention is not latent. "
+             "Fix: --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+             "--attention-dropout 0 --hidden-dropout 0 with --multi-latent-attention (as Megatron's DeepSeek scripts "
+             "pass them)",
              without=()),
     NotBuilt("--recompute-method uniform --recompute-num-layers N (N > 1)",
              ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),

@@ -36,6 +36,10 @@ from tests.helpers import compare_training, first_copy_mesh
 
 PLANS = {
     "tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
+    # --qk-layernorm on GPT blocks: a LayerNorm (weight and bias) on each query and key head, whose
+    # gradients TP sums over the ranks holding other heads (head_norm)
+    "qknorm_tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
+    "qknorm_tp2_fsdp2": (dict(tp=2, dp_shard=2), [TensorParallel(), DataParallel("fsdp")]),
     "cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DataParallel("ddp")]),
     "cp2_all_gather": (dict(cp=2), [ContextParallel(method="all_gather"), DataParallel("ddp")]),
     "pp2_tied": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
@@ -71,8 +75,9 @@ MOE_PLANS = {
 }
 
 
-def gpt_config(cp: bool = False, moe: MoEConfig | None = None):
-    return GPT_SIZES["gpt-debug"].replace(attention_dropout=0.0 if cp else 0.1, hidden_dropout=0.1, moe=moe)
+def gpt_config(cp: bool = False, moe: MoEConfig | None = None, qk_norm: bool = False):
+    return GPT_SIZES["gpt-debug"].replace(attention_dropout=0.0 if cp else 0.1, hidden_dropout=0.1, moe=moe,
+                                          qk_norm=qk_norm)
 
 
 def build(config, seed: int):
@@ -130,7 +135,7 @@ def test_gpt_plan_with_dropout_matches_unsharded(name):
         sizes, passes = PLANS[name]
     torch.set_default_dtype(torch.float64)
     try:
-        config = gpt_config(cp="cp" in sizes, moe=moe)
+        config = gpt_config(cp="cp" in sizes, moe=moe, qk_norm=name.startswith("qknorm"))
         reference, meta_copy = build(config, seed=61)
         pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
         pm.init_weights(seed=61)
@@ -145,17 +150,21 @@ def test_gpt_plan_with_dropout_matches_unsharded(name):
 
 
 def assert_equal_but_key_bias(result, reference) -> None:
-    """Loss, parameters and every gradient within RTOL, but the key projection's bias gradient:
-    adding a bias to every key adds the same q.b to a query's every score, which softmax cancels,
-    so that gradient is zero up to roundoff in both models (their relative error is noise over
-    noise). That it is noise is held instead: far below the query bias's gradient."""
-    noise = [name for name in result.grads if name.endswith("attention.wk.bias")]
+    """Loss, parameters and every gradient within RTOL, but the key projection's bias gradient
+    (with --qk-layernorm, the key norm's bias instead: it is then the last add): adding a bias to every key adds the same q.b
+    to a query's every score, which softmax cancels (learned positions: no rotation), so that
+    gradient is zero up to roundoff in both models (their relative error is noise over noise).
+    That it is noise is held instead: far below the query's counterpart."""
+    normed = any(name.endswith("attention.k_norm.bias") for name in result.grads)  # the last add on keys is the norm's
+    last = "attention.k_norm.bias" if normed else "attention.wk.bias"
+    noise = [name for name in result.grads if name.endswith(last)]
     rest = {name: error for name, error in result.grads.items() if name not in noise}
     worst = max(rest, key=rest.get)
     assert rest[worst] <= RTOL, f"gradient {worst} relative error {rest[worst]:.2e} > {RTOL}"
     assert result.loss <= RTOL and result.param <= PARAM_RTOL, (result.loss, result.param)
     for name in noise:
-        key, query = reference.get_parameter(name).grad, reference.get_parameter(name.replace("wk", "wq")).grad
+        counterpart = name.replace("attention.wk", "attention.wq").replace("attention.k_norm", "attention.q_norm")
+        key, query = reference.get_parameter(name).grad, reference.get_parameter(counterpart).grad
         assert key.norm() < 1e-7 * query.norm(), (name, float(key.norm()), float(query.norm()))
 
 

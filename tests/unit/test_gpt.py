@@ -147,6 +147,7 @@ def test_a_line_without_block_flags_builds_megatrons_gpt_blocks():
     (["--disable-bias-linear", "--add-qkv-bias"], "has_qkv_bias", True),
     (["--attention-dropout", "0.0", "--hidden-dropout", "0.2"], "hidden_dropout", 0.2),
     (["--untie-embeddings-and-output-weights"], "tie_embeddings", False),
+    (["--qk-layernorm"], "qk_norm", True),
 ])
 def test_each_block_flag_reaches_the_gpt_config(flags, field, value):
     spec, config = _model([*BASE, *flags])
@@ -158,9 +159,26 @@ def test_the_llama_block_flags_build_dtmegas_llama():
     assert spec.family == "dtmega-llama"
 
 
+def test_qk_layernorm_is_qwen3_on_llama_blocks_and_the_gpt_blocks_own_norms_otherwise():
+    """Megatron's --qk-layernorm norms each query and key head with the block's norm kind: on a
+    Llama block that is Qwen3's attention; on GPT blocks a LayerNorm with weight and bias over the
+    head width, counted as Megatron counts it (2 x 2 x head_dim per block)."""
+    spec, _ = _model([*BASE, *LLAMA_BLOCK, "--qk-layernorm"])
+    assert spec.name == "qwen3"
+    spec, config = _model([*BASE, "--qk-layernorm"])
+    plain = _model(BASE)[1]
+    model = spec.build(config)
+    assert spec.family == "dtmega-gpt" and type(model.layers["0"].attention.k_norm).__name__ == "LayerNorm"
+    assert config.num_params() - plain.num_params() == 2 * 2 * 2 * config.head_dim
+    assert config.num_params() == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    with pytest.raises(HFFormatError, match="qk_norm=True"):
+        hf_config_from_gpt(config)
+
+
 @pytest.mark.parametrize("flags", [
     ["--apply-layernorm-1p"], ["--normalization", "RMSNorm", "--apply-layernorm-1p"],
     ["--position-embedding-type", "rope", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias"],
+    ["--qk-layernorm", "--position-embedding-type", "rope", "--apply-layernorm-1p"],
 ])
 def test_gpt_variants_run_forward_and_backward(flags):
     spec, config = _model([*BASE, *flags])

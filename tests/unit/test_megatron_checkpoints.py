@@ -96,16 +96,19 @@ def test_a_megatron_checkpoint_is_read_as_data(megatron_checkpoint, tmp_path, ca
     assert not marker.exists() and not (tmp_path / "b").exists()
 
 
-@pytest.fixture(scope="module")
-def megatron_gpt_checkpoint(tmp_path_factory) -> Path:
-    """megatron-core's own GPT blocks (LayerNorm, biases, GeLU, learned positions, tied), TP2."""
-    out = tmp_path_factory.mktemp("megatron_gpt")
+def _megatron_core_checkpoint(out: Path, *flags: str) -> Path:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "megatron_core_gpt.py"),
-                           str(out), "--gpt-blocks"], check=False, capture_output=True, text=True, cwd=ROOT,
+                           str(out), *flags], check=False, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt_checkpoint(tmp_path_factory) -> Path:
+    """megatron-core's own GPT blocks (LayerNorm, biases, GeLU, learned positions, tied), TP2."""
+    return _megatron_core_checkpoint(tmp_path_factory.mktemp("megatron_gpt"), "--gpt-blocks")
 
 
 def test_megatron_core_gpt_blocks_convert_with_logits_parity(megatron_gpt_checkpoint, tmp_path):
@@ -129,3 +132,49 @@ def test_megatron_core_gpt_blocks_convert_with_logits_parity(megatron_gpt_checkp
             ours = pm.module(reference["tokens"])
         errors[form] = float((ours - reference["logits"]).abs().max() / reference["logits"].abs().max())
     assert errors["erf"] < 1e-5 and errors["tanh"] > 1e-4, errors
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt_qk_checkpoint(tmp_path_factory) -> Path:
+    """GPT blocks with --qk-layernorm and RoPE, written by megatron-core, TP2."""
+    return _megatron_core_checkpoint(tmp_path_factory.mktemp("megatron_gpt_qk"), "--gpt-blocks", "--qk-layernorm")
+
+
+def test_megatron_core_gpt_blocks_with_qk_layernorm_convert_with_logits_parity(megatron_gpt_qk_checkpoint, tmp_path):
+    """--qk-layernorm on GPT blocks with RoPE: each head's LayerNorm (weight and bias) is read and
+    put in dtmega's channel order; logits equal megatron-core's (1e-5). Converting with
+    --rotary-interleaved (no reordering) gives other logits, so the reordering is held too."""
+    from dtmega.train.restore import restore
+
+    source = megatron_gpt_qk_checkpoint
+    reference = torch.load(source / "logits.pt")
+    errors = {}
+    for name, extra in (("halves", []), ("interleaved", ["--rotary-interleaved"])):
+        assert dtmega_main(["convert", "megatron-to-dtmega", "--load", str(source / "iter_0000001"),
+                            "--save", str(tmp_path / name), *FLAGS, "--no-bias-gelu-fusion", *extra]) == 0
+        pm, _, _ = restore(tmp_path / name)
+        assert pm.module.config.qk_norm and pm.module.config.position_embedding == "rope"
+        pm.module.eval()
+        with torch.no_grad():
+            ours = pm.module(reference["tokens"])
+        errors[name] = float((ours - reference["logits"]).abs().max() / reference["logits"].abs().max())
+    assert errors["halves"] < 1e-5 and errors["interleaved"] > 1e-4, errors
+
+
+def test_weights_a_conversion_would_drop_are_refused_by_name(megatron_gpt_qk_checkpoint, tmp_path, monkeypatch, capsys):
+    """A converter that does not know a feature of the run (here: one that reads the GPT blocks
+    without their q/k norms, as this one did before --qk-layernorm was read) refuses, naming the
+    weights it would drop, and writes nothing, instead of saving another model."""
+    import dataclasses
+
+    import dtmega.interop.megatron_cli as cli
+
+    real = cli.gpt_config_from_megatron
+    monkeypatch.setattr(cli, "gpt_config_from_megatron",
+                        lambda *args: dataclasses.replace(real(*args), qk_norm=False))
+    code = dtmega_main(["convert", "megatron-to-dtmega", "--load", str(megatron_gpt_qk_checkpoint / "iter_0000001"),
+                        "--save", str(tmp_path / "out"), *FLAGS, "--no-bias-gelu-fusion"])
+    error = capsys.readouterr().err
+    assert code != 0 and "holds weights the dtmega gpt model would not read" in error, error
+    assert "self_attention.q_layernorm.weight" in error and "Fix:" in error
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -61,8 +61,8 @@ def test_toml_then_flags_override(tmp_path):
 
 def test_planned_and_unsupported_features_are_refused():
     for flags, message in [
-        (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--qk-layernorm",
-          "--normalization", "LayerNorm"], "GPT-block features with --qk-layernorm"),
+        (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--multi-latent-attention",
+          "--qk-layernorm", "--normalization", "LayerNorm"], "GPT-block features with --multi-latent-attention"),
         (["--bf16", "--fp16"], "exclusive"),
     ]:
         with pytest.raises(ArgumentError, match=message):

@@ -46,6 +46,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     kv_channels: int | None = None  # head width when it is not dim / n_heads
+    qk_norm: bool = False  # --qk-layernorm: the block's norm kind on each query and key head, before RoPE
     # --num-experts: MoE blocks whose experts are this block's MLP kind without biases (GeLU
     # experts for GPT blocks, as Megatron builds them; Megatron's grouped experts carry no biases here)
     moe: MoEConfig | None = None
@@ -115,7 +116,7 @@ class GPTConfig:
         hd, q, kv = self.head_dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.dim * (q + 2 * kv) + q * self.dim
         attention += (q + 2 * kv) * self.has_qkv_bias + self.dim * self.bias
-        del hd
+        attention += 2 * hd * (2 if self.normalization == "LayerNorm" else 1) * self.qk_norm
         gates = 2 if self.activation == "swiglu" else 1
         mlp = gates * self.dim * self.hidden_ffn + self.hidden_ffn * self.dim
         mlp += (gates * self.hidden_ffn + self.dim) * self.bias

@@ -66,6 +66,8 @@ DTMEGA_GPT = ModelFamily(
         Rule("layers.*.attention.wk", "colwise"),
         Rule("layers.*.attention.wv", "colwise"),
         Rule("layers.*.attention.wo", "rowwise"),
+        Rule("layers.*.attention.q_norm", "head_norm"),  # per-head norms on this rank's heads (--qk-layernorm)
+        Rule("layers.*.attention.k_norm", "head_norm"),
         Rule("layers.*.feed_forward.w1", "colwise"),
         Rule("layers.*.feed_forward.w3", "colwise"),
         Rule("layers.*.feed_forward.w2", "rowwise"),

@@ -59,7 +59,7 @@ def hf_config_from_gpt(config: GPTConfig, base: dict | None = None, dtype: str =
     problems = [f"{name}={getattr(config, name)!r} (GPT-2: {want!r})" for name, want in (
         ("normalization", "LayerNorm"), ("layernorm_1p", False), ("position_embedding", "learned_absolute"),
         ("bias", True), ("activation", "gelu"), ("n_kv_heads", config.n_heads), ("kv_channels", None),
-        ("qkv_bias", None)) if getattr(config, name) != want]
+        ("qkv_bias", None), ("qk_norm", False)) if getattr(config, name) != want]
     if problems:
         raise HFFormatError(f"{ARCHITECTURE} cannot hold this GPT: {', '.join(problems)}")
     out: dict[str, Any] = dict(base or {}) if (base or {}).get("architectures") in (None, [ARCHITECTURE]) else {}

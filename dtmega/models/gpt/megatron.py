@@ -4,8 +4,8 @@ defaults where a flag is absent (LayerNorm, learned absolute positions, biases, 
 
 A line selects this family unless its flags describe exactly dtmega's Llama (--swiglu
 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear, no dropout, no
---add-qkv-bias or --apply-layernorm-1p) or another family's attention (--qk-layernorm: Qwen3,
---multi-latent-attention: DeepSeek)."""
+--add-qkv-bias or --apply-layernorm-1p) or another family's attention (--multi-latent-attention:
+DeepSeek); --qk-layernorm on a Llama block is Qwen3, on GPT blocks their q/k norms (`qk_norm`)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
             gelu_approximate=gelu_form,
             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
             tie_embeddings=not args.untie_embeddings_and_output_weights, init_std=args.init_method_std,
-            kv_channels=head_dim, moe=moe,
+            kv_channels=head_dim, moe=moe, qk_norm=args.qk_layernorm,
         )
     except ValueError as error:
         raise ArgumentError(str(error)) from None
@@ -97,5 +97,5 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
 
 GPT_FLAGS = MegatronSizing(
     model="gpt", config=gpt_flags_config,
-    selects=lambda args: not llama_shaped(args) and not args.qk_layernorm and not args.multi_latent_attention,
+    selects=lambda args: not llama_shaped(args) and not args.multi_latent_attention,
 )

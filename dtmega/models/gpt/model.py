@@ -56,11 +56,12 @@ class RMSNorm1P(RMSNorm):
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
-    """The config's norm layer over the model width."""
+def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
+    """The config's norm layer over the model width (or `width`: a head's, for the q/k norms)."""
+    width = width or config.dim
     if config.normalization == "LayerNorm":
-        return (LayerNorm1P if config.layernorm_1p else LayerNorm)(config.dim, eps=config.norm_eps)
-    return (RMSNorm1P if config.layernorm_1p else RMSNorm)(config.dim, eps=config.norm_eps)
+        return (LayerNorm1P if config.layernorm_1p else LayerNorm)(width, eps=config.norm_eps)
+    return (RMSNorm1P if config.layernorm_1p else RMSNorm)(width, eps=config.norm_eps)
 
 
 class GeLU(nn.Module):
@@ -172,7 +173,9 @@ class CoreAttention(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention with biases and, for position_embedding="rope",
-    rotary embeddings. Slots: `rotary` (None without RoPE) and `core`."""
+    rotary embeddings; with `qk_norm` (Megatron's --qk-layernorm) each query and key head is
+    normalized (the block's norm kind over the head width) before RoPE. Slots: `q_norm`/`k_norm`
+    (None without qk_norm), `rotary` (None without RoPE) and `core`."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -182,6 +185,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv, bias=config.has_qkv_bias)
         self.wv = nn.Linear(config.dim, kv, bias=config.has_qkv_bias)
         self.wo = nn.Linear(q, config.dim, bias=config.bias)
+        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.rotary = Rotary() if config.position_embedding == "rope" else None
         self.core = CoreAttention(config.attention_dropout)
 
@@ -191,6 +196,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, rope)
         if cache is not None:

@@ -17,5 +17,12 @@ def qwen3_flags_config(args: Any, tokenizer_vocab: int):
     return model_config(args, tokenizer_vocab)
 
 
-QWEN3_FLAGS = MegatronSizing(model="qwen3", selects=lambda args: bool(args.qk_layernorm and not args.multi_latent_attention),
+def _selects(args: Any) -> bool:
+    from dtmega.models.gpt.megatron import llama_shaped
+
+    # --qk-layernorm on a Llama block; on GPT blocks (LayerNorm, biases, dropout...) it is the GPT family's
+    return bool(args.qk_layernorm and not args.multi_latent_attention and llama_shaped(args))
+
+
+QWEN3_FLAGS = MegatronSizing(model="qwen3", selects=_selects,
                              config=qwen3_flags_config, flag="--qk-layernorm")

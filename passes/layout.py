@@ -120,6 +120,20 @@ class Layout:
         """The axes the batch is split over (each holds different sequences), in mesh order."""
         return tuple(axis for axis in self.mesh if "batch" in self.axis_uses.get(axis, {}).values())
 
+    def held(self, entry: "ModuleLayout", param: ParamLayout) -> bool:
+        """Whether the ranks of `entry`'s stage allocate `param`: their own parameters, and a tied
+        alias whose owner lives on another pipeline stage (that stage's copy, e.g. the last
+        stage's output layer tied to the first stage's embedding)."""
+        if param.tied_to is None:
+            return True
+        owner = self.modules.get(param.tied_to.rpartition(".")[0])
+        return owner is not None and owner.stage is not None and entry.stage is not None and owner.stage != entry.stage
+
+    def entry_bytes(self, entry: "ModuleLayout", coordinate: dict[str, int] | None = None) -> int:
+        """Bytes of `entry`'s parameters on one of its ranks, a stage's tied copy included."""
+        return sum(math.prod(p.local_shape(self.mesh, coordinate)) * _DTYPE_BYTES.get(p.dtype, 4)
+                   for p in entry.params.values() if self.held(entry, p))
+
     def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
         if entry.stage is None or self.stage_ranks is None:
             return True
@@ -175,17 +189,18 @@ class Layout:
             raise KeyError(f"no parameter {full_name!r} in the layout") from None
 
     def local_param_count(self, coordinate: dict[str, int] | None = None) -> int:
-        """Parameters held by the rank at `coordinate` (default: all zeros), tied weights once."""
+        """Parameters held by the rank at `coordinate` (default: all zeros), tied weights once per
+        rank (a pipeline stage's copy of a tied weight counts on its stage)."""
         return sum(
             math.prod(p.local_shape(self.mesh, coordinate))
             for entry in self.modules.values() if self._on_rank(entry, coordinate)
-            for p in entry.params.values() if p.tied_to is None
+            for p in entry.params.values() if self.held(entry, p)
         )
 
     def local_bytes(self, coordinate: dict[str, int] | None = None) -> int:
         """Parameter bytes held by the rank at `coordinate`."""
         return sum(
-            entry.local_bytes(self.mesh, coordinate) for entry in self.modules.values() if self._on_rank(entry, coordinate)
+            self.entry_bytes(entry, coordinate) for entry in self.modules.values() if self._on_rank(entry, coordinate)
         )
 
     def global_param_count(self) -> int:

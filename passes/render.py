@@ -65,7 +65,7 @@ def layout_table(layout: "Layout", *, fold: bool = True, title: str | None = Non
             name, entry.type, _params_text(entry), _axes_text(entry.inputs) if entry.inputs else "",
             _axes_text(entry.outputs) if entry.outputs else "", stage, entry.recompute or "",
             " ".join(filter(None, (entry.kernel, f"compiled({entry.compiled})" if entry.compiled else None))),
-            str(entry.precision or ""), human_bytes(entry.local_bytes(layout.mesh)),
+            str(entry.precision or ""), human_bytes(layout.entry_bytes(entry)),
         ))
     # Columns no entry uses (e.g. stage before pipelining) are left out to keep the table narrow.
     keep = [i for i, column in enumerate(columns) if i < 2 or column == "bytes/rank" or any(row[i] for row in rows)]

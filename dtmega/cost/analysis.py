@@ -36,7 +36,7 @@ def model_shape_of(program: Program) -> ModelShape:
         moe_layers = sum(1 for layer in moe.layers if layer.startswith("layers."))  # not an MTP module's block
         entry = program.layout[moe.experts_at(moe.layers[0])]
         numel = sum(_numel(p.shape) for p in entry.params.values())
-        expert_ffn = numel // (3 * experts * facts.dim)
+        expert_ffn = numel // (len(entry.params) * experts * facts.dim)  # SwiGLU's three matrices, GeLU's two
         if moe.shared_experts:
             shared_fqn = f"{moe.layers[0]}.{moe.shared_experts}"
             shared = sum(_numel(p.shape) for fqn, m in program.layout.modules.items()
@@ -45,7 +45,8 @@ def model_shape_of(program: Program) -> ModelShape:
                       facts.tied_embeddings, experts, top_k, expert_ffn, moe_layers, shared, capacity,
                       facts.latent_attention, facts.mtp_layers, facts.moe.num_groups if facts.moe else None,
                       facts.moe.group_topk if facts.moe else None,
-                      head_width=0 if facts.head_dim * facts.n_heads == facts.dim else facts.head_dim)
+                      head_width=0 if facts.head_dim * facts.n_heads == facts.dim else facts.head_dim,
+                      gpt=facts.gpt_block)
 
 
 def model_shape_of_spec(spec, config=None) -> ModelShape:

@@ -73,15 +73,15 @@ def params_per_rank(model: ModelShape, plan: PlanShape, *, first: bool, last: bo
         layers = plan.layers_per_rank(model, 0 if first else plan.pp - 1)
     moe_fraction = model.moe_layers / model.layers
     moe_layers, dense_layers = layers * moe_fraction, layers * (1 - moe_fraction)
-    attention = model.attention_params() / plan.tp + 2 * model.dim
+    attention = model.attention_params() / plan.tp + 2 * model.norm_params()
     dense = dense_layers * (attention + model.dense_mlp_params() / plan.tp)
     dense += moe_layers * (attention + model.dim * model.experts + 3 * model.dim * model.shared_ffn / plan.tp)
     experts = moe_layers * model.expert_params() / (plan.tp * plan.ep)
     table = model.vocab * model.dim / plan.tp
     if first:
-        dense += table
+        dense += table + model.position_params()
     if last:
-        dense += (0 if (model.tied and first) else table) + model.dim
+        dense += (0 if (model.tied and first) else table) + model.norm_params()
         # multi-token prediction (DeepSeek): per depth an MoE block, two input norms and the output
         # norm, and the 2D -> D projection (whole on every TP rank)
         dense += model.mtp_layers * (attention + model.dim * model.experts + 3 * model.dim * model.shared_ffn / plan.tp
@@ -90,8 +90,10 @@ def params_per_rank(model: ModelShape, plan: PlanShape, *, first: bool, last: bo
     return dense, experts
 
 
-def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute: str | None = None) -> float:
-    """Bytes one block saves for backward per token of a micro-batch on this rank."""
+def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute: str | None = None,
+                               seq: int = 0) -> float:
+    """Bytes one block saves for backward per token of a micro-batch on this rank (`seq`: the
+    sequence length, for attention dropout's per-key probabilities; 0 counts none)."""
     e = DTYPE_BYTES[plan.dtype]
     h, t = model.dim, plan.tp
     s = t if plan.sp else 1
@@ -104,6 +106,8 @@ def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute:
         return _transformer_engine_bytes_per_token(model, plan, policy)
     if policy == "selective" and framework.selective == "alternate-matmuls":
         return _alternate_matmuls_bytes_per_token(model, plan)
+    if model.gpt is not None:
+        return _gpt_block_bytes_per_token(model, plan, policy, seq)
     norm = (h * e + 4) if compact else (2 * h * e + 4)
     attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t
     if plan.cp > 1 and plan.cp_method == "all_gather":
@@ -121,6 +125,46 @@ def activation_bytes_per_token(model: ModelShape, plan: PlanShape, *, recompute:
         mlp = (1 - moe_fraction) * mlp + moe_fraction * expert_mlp
     saved = 2 * norm / s + 2 * h * e + attention + mlp
     return saved if policy == "selective" else saved + lse
+
+
+def _gpt_block_bytes_per_token(model: ModelShape, plan: PlanShape, policy: str, seq: int) -> float:
+    """What one of Megatron's GPT blocks (dtmega/models/gpt) saves per token, as autograd keeps it
+    (tests/unit/test_cost_model.py): a LayerNorm its input and fp32 mean and 1/std (h·e + 8; an
+    RMSNorm as the Llama's), the two linear inputs, the attention's q, k, v, output and
+    log-sum-exp, a GeLU or squared-ReLU MLP its first output and its second's input (2·f·e/t;
+    SwiGLU as the Llama's), the q/k norms their inputs and statistics, each hidden-dropout site
+    its mask (h·e/s: two per block), and attention dropout the probabilities before and after
+    dropping and the mask, per head and key (H·S·(2e + 1)/t: Korthikanti et al.'s 5as/h in 16
+    bits), which selective recompute drops with the log-sum-exp."""
+    g = model.gpt
+    e = DTYPE_BYTES[plan.dtype]
+    h, t = model.dim, plan.tp
+    s = t if plan.sp else 1
+    compact = plan.fused_kernels or plan.compiled
+    layer_norm = g.normalization == "LayerNorm"
+    norm = (h * e + 8) if layer_norm else (h * e + 4) if compact else (2 * h * e + 4)
+    attention = (2 * model.q_dim + 2 * model.kv_dim) * e / t
+    if g.qk_norm:  # each head's norm: its input (the projection's output, also saved) and statistics
+        per_head = 8 if layer_norm else 4
+        attention += (model.q_dim + model.kv_dim) * e / t + (model.heads + model.kv_heads) * per_head / t
+    if plan.cp > 1 and plan.cp_method == "all_gather":
+        attention += 2 * model.kv_dim * e * (plan.cp - 1) / t
+    if g.activation == "swiglu":
+        mlp = (3 if compact else 4) * model.ffn * e / t
+    else:
+        mlp = 2 * model.ffn * e / t
+    if model.experts:
+        routed = model.top_k * (model.capacity_factor or 1.0)
+        per_expert = (3 if compact else 4) if model.expert_matrices == 3 else 2
+        expert_mlp = routed * (3 * h * e + per_expert * model.expert_ffn * e / t) + 8 * model.experts + 8 * model.top_k
+        fraction = model.moe_layers / model.layers
+        mlp = (1 - fraction) * mlp + fraction * expert_mlp
+    dropout = 2 * h * e / s if g.hidden_dropout > 0 else 0.0
+    saved = 2 * norm / s + 2 * h * e + attention + mlp + dropout
+    if policy == "selective":
+        return saved
+    probabilities = model.heads * seq / plan.cp * (2 * e + 1) / t if g.attention_dropout > 0 else 0.0
+    return saved + 4 * model.heads / t + probabilities
 
 
 def _transformer_engine_bytes_per_token(model: ModelShape, plan: PlanShape, policy: str) -> float:
@@ -222,8 +266,8 @@ def _rank_memory(model: ModelShape, plan: PlanShape, seq: int, pp_rank: int) -> 
         gathered = (dense + experts - model.dim * 2 * layers) * e  # autocast's weight casts
     tokens = plan.micro_batch * seq / plan.cp
     recomputed = recomputed_blocks(plan, layers)
-    whole = activation_bytes_per_token(model, plan, recompute="none")
-    per_token = activation_bytes_per_token(model, plan)  # full recompute: the block's input only
+    whole = activation_bytes_per_token(model, plan, recompute="none", seq=seq)
+    per_token = activation_bytes_per_token(model, plan, seq=seq)  # full recompute: the block's input only
     if 0 < recomputed < layers:  # only some blocks recompute: the others keep everything
         per_token = (recomputed * per_token + (layers - recomputed) * whole) / layers
     activations = in_flight(model, plan, pp_rank) * tokens * per_token

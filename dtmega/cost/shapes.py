@@ -50,6 +50,9 @@ class ModelShape:
     group_topk: int | None = None
     # width of one query/key head when it is not dim / heads (Qwen3, Megatron's --kv-channels); 0: dim / heads
     head_width: int = 0
+    # Megatron's GPT blocks (dtmega/models/gpt: its GPTConfig): biases, LayerNorm, a GeLU or
+    # squared-ReLU MLP of two matrices, learned positions, dropout; None: a Llama block
+    gpt: object | None = None
 
     @classmethod
     def of(cls, config: LlamaConfig) -> "ModelShape":
@@ -79,7 +82,30 @@ class ModelShape:
         """wq, wk, wv, wo of one block (MLA: its projections and latent norms)."""
         if self.mla is not None:
             return self.deepseek_config.attention_params()
-        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+        count = 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
+        if self.gpt is not None:  # biases (q, k, v with --add-qkv-bias; the output's), the q/k norms
+            g = self.gpt
+            count += (self.q_dim + 2 * self.kv_dim) * g.has_qkv_bias + self.dim * g.bias
+            count += 2 * self.head_dim * (2 if g.normalization == "LayerNorm" else 1) * g.qk_norm
+        return count
+
+    def norm_params(self) -> int:
+        """One norm layer over the width (LayerNorm: weight and bias)."""
+        return self.dim * (2 if self.gpt is not None and self.gpt.normalization == "LayerNorm" else 1)
+
+    def position_params(self) -> int:
+        """The learned position table (GPT blocks' learned_absolute), on the first pipeline rank."""
+        g = self.gpt
+        return g.max_seq_len * self.dim if g is not None and g.position_embedding == "learned_absolute" else 0
+
+    @property
+    def mlp_matrices(self) -> int:
+        """SwiGLU's gate, up and down; a GeLU or squared-ReLU MLP's up and down."""
+        return 3 if self.gpt is None or self.gpt.activation == "swiglu" else 2
+
+    @property
+    def expert_matrices(self) -> int:
+        return 3 if self.gpt is None or self.gpt.moe is None or self.gpt.moe.activation == "swiglu" else 2
 
     @cached_property
     def deepseek_config(self):
@@ -97,7 +123,8 @@ class ModelShape:
                               mtp_num_layers=self.mtp_layers)
 
     def dense_mlp_params(self) -> int:
-        return 3 * self.dim * self.ffn
+        biases = (self.ffn * (self.mlp_matrices - 1) + self.dim) * self.gpt.bias if self.gpt is not None else 0
+        return self.mlp_matrices * self.dim * self.ffn + biases
 
     def ranks_per_token(self, ep: int) -> float:
         """Expected number of expert-parallel ranks a token's top-k experts lie on (experts dealt
@@ -120,7 +147,7 @@ class ModelShape:
 
     def expert_params(self) -> int:
         """All routed experts of one MoE block."""
-        return 3 * self.dim * self.expert_ffn * self.experts
+        return self.expert_matrices * self.dim * self.expert_ffn * self.experts
 
     @cached_property
     def config(self) -> LlamaConfig:
@@ -141,6 +168,8 @@ class ModelShape:
     def _param_count(self) -> int:  # counted once per shape: the planner asks for it per candidate
         if self.mla is not None:
             return self.deepseek_config.num_params(with_mtp=True)
+        if self.gpt is not None:
+            return self.gpt.num_params()
         return self.config.num_params()
 
     def flops_per_token(self, seq: int) -> float:
@@ -155,6 +184,10 @@ class ModelShape:
                 from dtmega.models.deepseek.specs import deepseek_flops_per_token
 
                 known[seq] = deepseek_flops_per_token(self.deepseek_config, seq)
+            elif self.gpt is not None:
+                from dtmega.models.gpt.specs import gpt_flops_per_token
+
+                known[seq] = gpt_flops_per_token(self.gpt, seq)
             else:
                 known[seq] = llama_flops_per_token(self.config, seq)
         return known[seq]

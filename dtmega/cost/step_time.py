@@ -91,7 +91,7 @@ def _lumped_step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Ha
     compute = rank_flops(model, plan, seq) / (rate * hardware.efficiency)
     tokens = plan.micro_batch * seq / plan.cp * plan.microbatches
     layers = plan.layers_per_rank(model)
-    traffic = 3 * tokens * layers * activation_bytes_per_token(model, plan, recompute="none")
+    traffic = 3 * tokens * layers * activation_bytes_per_token(model, plan, recompute="none", seq=seq)
     memory = traffic / hardware.memory_bandwidth if hardware.memory_bandwidth else 0.0
     per_op = hardware.op_overhead + (hardware.sharded_op_overhead if plan.tp > 1 else 0.0)
     launches = OPS_PER_BLOCK[plan.fused_kernels or plan.compiled] * layers * plan.microbatches * per_op
@@ -172,7 +172,7 @@ def _kernel_step_time(model: ModelShape, plan: PlanShape, seq: int, hardware: Ha
     attention = attention_forward * (3.5 + again + selective_again)
     fused = plan.fused_kernels or plan.compiled
     traffic = (framework.elementwise if fused else framework.eager_elementwise) * \
-        activation_bytes_per_token(model, plan, recompute="none") * (1 + (1.0 if alternate else again) / 3)
+        activation_bytes_per_token(model, plan, recompute="none", seq=seq) * (1 + (1.0 if alternate else again) / 3)
     traffic += fp8_cast_bytes_per_token(model, plan)
     memory = tokens * traffic / hardware.memory_bandwidth
     block = gemm + attention + memory

@@ -72,6 +72,10 @@ class ModelFacts:
     # Width of one attention head (query/key); 0 = dim / n_heads. Qwen3's and Megatron's
     # --kv-channels make it independent of the width.
     head_dim: int = 0
+    # The GPT family's GPTConfig (dtmega/models/gpt/config.py): what Megatron's GPT blocks add to a
+    # Llama block's shapes (biases, LayerNorm, a two-matrix MLP, learned positions, dropout), for the
+    # cost model's counts and activation bytes. None for Llama-shaped families.
+    gpt_block: object | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:

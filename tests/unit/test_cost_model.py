@@ -22,6 +22,7 @@ from dtmega.cost.plan_flags import train_options
 from dtmega.cost.search import RunWorkload, search
 from dtmega.cost.shapes import ModelShape, PlanShape
 from dtmega.models import Llama, LlamaConfig
+from dtmega.models.moe_config import MoEConfig
 from dtmega.passes import (
     ContextParallel,
     DataParallel,
@@ -49,12 +50,22 @@ def _meta(config: LlamaConfig) -> nn.Module:
                                                          PipelineSplit(microbatches=16, first_stage_layers=15,
                                                                        last_stage_layers=15), DataParallel("fsdp")]),
     ("mixtral-8x7b", dict(dp_shard=2, ep=4, tp=2), [TensorParallel(), ExpertParallel(), DataParallel("fsdp")]),
+    # Megatron's GPT blocks (biases, LayerNorm, learned positions, a two-matrix GeLU MLP) with the
+    # embedding tied across the pipeline's stages (the last stage holds a copy)
+    ("gpt3-175b", dict(pp=8, dp_shard=2, tp=8), [TensorParallel(), SequenceParallel(), PipelineSplit(microbatches=16),
+                                                 DataParallel("fsdp")]),
 ])
 def test_parameter_bytes_per_rank_equal_the_layouts_count(name, sizes, passes):
     """The formulas' parameters per rank (first and last pipeline rank, after TP, PP, EP and
     FSDP) equal `Layout.local_param_count`, which counts what DTensor and FSDP2 allocate."""
-    config = LlamaConfig.from_name(name)
-    layout = dtmega.check_plan(_meta(config), sizes, passes, workload=StepWorkload(4096, 1, 16))
+    if name.startswith("gpt"):
+        from dtmega.models.gpt import GPT, GPT_SIZES
+
+        with torch.device("meta"):
+            model = GPT(GPT_SIZES[name].replace(max_seq_len=2048))
+    else:
+        model = _meta(LlamaConfig.from_name(name))
+    layout = dtmega.check_plan(model, sizes, passes, workload=StepWorkload(2048, 1, 16))
     cost = layout.cost
     plan = cost.plan
     pp = sizes.get("pp", 1)
@@ -107,6 +118,42 @@ def test_activation_formula_equals_what_autograd_saves(passes, policy, fused):
         assert measured == 0 and predicted == tokens.numel() * config.dim * 4
     else:
         assert predicted == measured
+
+
+GPT_VARIANTS = {  # Megatron's GPT blocks: LayerNorm, biases, GeLU, learned positions, dropout 0.1 (gpt-debug)
+    "gelu_no_dropout": dict(attention_dropout=0.0, hidden_dropout=0.0),
+    "gelu_dropout": {},
+    "squared_relu_qk_norm": dict(activation="squared_relu", qk_norm=True, attention_dropout=0.0),
+    "rmsnorm_swiglu": dict(normalization="RMSNorm", activation="swiglu", bias=False, attention_dropout=0.0),
+    "gelu_moe": dict(attention_dropout=0.0, moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=48, activation="gelu",
+                                                          capacity_factor=1.0)),
+}
+
+
+@pytest.mark.parametrize("variant", list(GPT_VARIANTS))
+@pytest.mark.parametrize("passes, policy, fused", [
+    ([], "none", False), ([FuseKernels(cross_entropy=False)], "none", True), ([Recompute("selective")], "selective", False),
+], ids=["plain", "fused", "selective"])
+def test_gpt_block_activation_formula_equals_what_autograd_saves(variant, passes, policy, fused):
+    """The GPT family's block (dtmega/models/gpt) in training mode, dropout on where the variant
+    has it: the memory model's bytes per token per block = what autograd keeps in block 0 (exact,
+    the same tensors); attention dropout's per-key probabilities need the sequence length."""
+    from dtmega.cost.analysis import model_shape_of
+    from dtmega.models.gpt import GPT, GPT_SIZES
+
+    config = GPT_SIZES["gpt-debug"].replace(**GPT_VARIANTS[variant])
+    torch.manual_seed(0)
+    pm = dtmega.parallelize(GPT(config), dtmega.make_mesh(device_type="cpu"), Plan([*passes, DataParallel()]))
+    pm.train()
+    tokens = torch.randint(0, 200, (2, 32))
+    measured = _block_saved_bytes(pm, tokens)
+    shape = model_shape_of(pm.program)
+    assert shape.total_params() == config.num_params()
+    if config.moe:  # block 0 is an MoE block: the formula's MoE share is 1 for a model of MoE blocks only
+        assert shape.moe_layers == shape.layers and shape.expert_ffn == 48
+    plan = PlanShape(micro_batch=2, recompute=policy, fused_kernels=fused)
+    predicted = activation_bytes_per_token(shape, plan, seq=tokens.shape[1]) * tokens.numel()
+    assert predicted == pytest.approx(measured, rel=1e-9 if not config.moe else 0.05), (predicted, measured)
 
 
 def test_the_measured_h100_run_is_predicted_within_10_percent():

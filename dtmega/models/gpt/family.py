@@ -28,7 +28,7 @@ def _describe(model: GPT) -> ModelFacts:
         family="dtmega-gpt", n_heads=c.n_heads, head_dim=c.head_dim, n_kv_heads=c.kv_heads, vocab_size=c.vocab_size,
         dim=c.dim, ffn_dim=c.hidden_ffn, blocks=tuple(f"layers.{name}" for name in model.layers),
         embedding="embedding", output="output", final_norm="norm", tied_embeddings=c.tie_embeddings,
-        max_positions=c.max_seq_len, moe=moe,
+        max_positions=c.max_seq_len, moe=moe, gpt_block=c,
     )
 
 

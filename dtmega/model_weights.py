@@ -30,6 +30,7 @@ class ModelWeights:
                     "with load_full_state_dict instead"
                 )
             init(seed=seed, buffer_device=torch.device(device))
+        self._tag_tied_copy()
 
     def materialize(self, device: torch.device | str | None = None) -> None:
         """Allocates meta parameters on `device` uninitialized and builds the buffers (the model's
@@ -45,6 +46,15 @@ class ModelWeights:
             if any(p.is_meta for p in part.parameters()) or any(b.is_meta for b in part.buffers()):
                 part.to_empty(device=device)
             part.init_buffers(torch.device(device))
+        self._tag_tied_copy()
+
+    def _tag_tied_copy(self) -> None:
+        """Tags a pipeline's last-stage copy of a tied embedding again: `to_empty` swaps each
+        parameter's contents, attributes included (checkpoints hold the tied weight once, and
+        recognise the copy by its tag: dtmega/train/tied_state.py)."""
+        tied = getattr(getattr(self, "executor", None), "tied", None)
+        if tied is not None:
+            tied.mark()
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads unsharded weights (every rank passes the same dict); each rank keeps its shard."""

@@ -32,6 +32,9 @@ class ParallelModel(ModelWeights):
 
     def __init__(self, program: Program, plan: Plan):
         self.program, self.plan = program, plan
+        tied = getattr(program.executor, "tied", None)
+        if tied is not None:  # the last stage's copy of a tied embedding, as the applied plan left it
+            tied.mark()
         parts = program.parts
         self._module = parts[0] if len(parts) == 1 else PipelineParts(parts)
         family = program.family

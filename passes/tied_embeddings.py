@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-# attribute set on the last stage's copy: norms skip it (the embedding counts the tied matrix once)
+# attribute set on the last stage's copy, naming the weight it copies: norms skip it (the
+# embedding counts the tied matrix once) and checkpoints hold only the weight it copies
 TIED_COPY = "dtmega_tied_copy"
 
 
@@ -59,10 +60,17 @@ class TiedEmbeddingSync:
         if self.embedding is not None:
             found.append(self.embedding.get_parameter(self.name.rpartition(".")[2]))
         if self.output is not None:
-            copy = self.output.weight
-            setattr(copy, TIED_COPY, True)
-            found.append(copy)
+            found.append(self.mark())
         return found
+
+    def mark(self) -> torch.nn.Parameter | None:
+        """Tags the output layer's weight (as it is now: data parallelism replaces parameters) as
+        the copy of the tied weight `name`; returns it (None on a rank without the last stage)."""
+        if self.output is None:
+            return None
+        copy = self.output.weight
+        setattr(copy, TIED_COPY, self.name)
+        return copy
 
     @torch.no_grad()
     def sync(self) -> None:

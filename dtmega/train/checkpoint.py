@@ -51,6 +51,7 @@ from dtmega.train.checkpoint_manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from dtmega.train.tied_state import drop_copies, fill_copies, read_copies_as_their_weights, tied_copies
 
 # Optimizer state keyed per parameter FQN ("param_groups.<fqn>.lr"), so that ranks holding
 # different parameters (pipeline stages) never overwrite each other's groups.
@@ -132,6 +133,8 @@ class SaveInProgress:
         shards: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
+        # a tied weight once: its copies (a tied output layer, a pipeline's last-stage copy) are left out
+        drop_copies(shards["model"], shards.get("optimizer"), tied_copies(model, shards["model"]))
         if runtime:
             shards["runtime"] = dict(runtime)
         own_files = {"rng": {"cpu": torch.get_rng_state(),  # the state at this step, however late it is written
@@ -388,7 +391,7 @@ LOGS = {"log_unexpected", "log_all"}
 
 
 def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeline_group=None,
-                  strictness: str = "raise_all") -> tuple[list[str], list[str]]:
+                  strictness: str = "raise_all", copies: set[str] = frozenset()) -> tuple[list[str], list[str]]:
     """Raises CheckpointError for a shape mismatch and for the key mismatches `strictness` does
     not allow; logs those it allows under log_*; returns (this rank's model keys the checkpoint
     lacks, those of every pipeline stage): allowed only by log_all, return_all and ignore_all."""
@@ -399,8 +402,11 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
     }
     current = {key: tuple(value.shape) for key, value in model_state.items()}
     if pipeline_group is not None:  # each stage holds part of the model: compare the union
-        current = {key: shape for stage in gather_objects(current, pipeline_group) for key, shape in stage.items()}
-    all_missing = sorted(set(current) - set(saved))
+        stages = gather_objects((current, sorted(copies)), pipeline_group)
+        current = {key: shape for stage, _ in stages for key, shape in stage.items()}
+        copies = {key for _, names in stages for key in names}
+    # a tied weight's copies are read from the weight: a checkpoint may hold them (written before) or not
+    all_missing = sorted(set(current) - set(saved) - set(copies))
     all_unexpected = sorted(set(saved) - set(current))
     different = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
     missing = all_missing if strictness in RAISES_MISSING else []
@@ -426,7 +432,7 @@ def _check_shapes(checkpoint: Path, model_state: dict[str, torch.Tensor], pipeli
         if all_missing:
             logger.warning("--dist-ckpt-strictness log_all: %d model key(s) are not in %s and keep their initialized "
                            "values: %s", len(all_missing), checkpoint, ", ".join(all_missing[:20]))
-    return sorted(set(model_state) - set(saved)), all_missing
+    return sorted(set(model_state) - set(saved) - set(copies)), all_missing
 
 
 def _load_rng(path: Path) -> dict[str, Any]:
@@ -466,7 +472,8 @@ def load_checkpoint(
     checkpoint = resolve_checkpoint(path)
     state = read_state(checkpoint)
     shards: dict[str, Any] = {"model": get_model_state_dict(model)}
-    missing, every_stage_missing = _check_shapes(checkpoint, shards["model"], pipeline_group, strictness)
+    copies = tied_copies(model, shards["model"])
+    missing, every_stage_missing = _check_shapes(checkpoint, shards["model"], pipeline_group, strictness, set(copies))
     if every_stage_missing and optimizer is not None:  # the same on every rank: no rank goes on alone
         raise CheckpointError(f"{checkpoint} lacks {len(every_stage_missing)} of the model's weights (e.g. "
                               f"{every_stage_missing[0]}), so it has "
@@ -476,7 +483,11 @@ def load_checkpoint(
         del shards["model"][key]
     if optimizer is not None:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_OPTIONS)
+    # a tied weight's copies are read from the weight (checkpoints hold it once; tied_state.py)
+    plans = {name: read_copies_as_their_weights(shards[name], copies) for name in shards}
     load_dcp(shards, checkpoint)
+    for name, plan in plans.items():
+        fill_copies(shards[name], plan)
     set_model_state_dict(model, shards["model"], options=StateDictOptions(strict=not missing))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, shards["optimizer"], options=OPTIMIZER_OPTIONS)

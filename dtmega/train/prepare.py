@@ -128,8 +128,8 @@ def hf_model_of(args: TrainArgs) -> tuple[ModelSpec, Any]:
     """`--load-hf`: the dtmega model of the Hugging Face architecture (Llama, Mixtral, DeepSeek-V3)
     with its config (every shard's header and
     the tokenizer checked now, before any process group or allocation). A tied model may be
-    untied with --untie-embeddings-and-output-weights (pipeline parallelism needs it: the
-    output layer lives on the last stage); its output layer then starts as the embedding."""
+    untied with --untie-embeddings-and-output-weights; its output layer then starts as the
+    embedding (under pipeline parallelism a tied model stays tied, the last stage holding a copy)."""
     from dtmega.interop.hf_checkpoint import HFCheckpoint
 
     given = [f"--{flag.replace('_', '-')}" for flag in SIZE_FLAGS if getattr(args, flag)]

@@ -275,3 +275,25 @@ def test_a_damaged_shard_of_one_rank_falls_back_on_every_rank(corpus, twenty_ste
     resumed = train(tiny_args(corpus, tensor_model_parallel_size=2, sequence_parallel=True,
                               use_distributed_optimizer=True, load=copy))
     assert resumed.losses == full.losses[10:]
+
+
+def test_a_tied_pipelined_checkpoint_holds_the_embedding_once_and_resumes_exactly(corpus, shared_dir):
+    """PP2 x DP2 with the embedding tied across the stages (the last stage holds a copy): the
+    checkpoint holds the tied matrix and its optimizer state once (as Megatron's holds its word
+    embedding once), the copy is filled from it on load, a resume from step 2 repeats the
+    uninterrupted run's losses, and restored without pipelining the output layer is the embedding."""
+    from dtmega.checkpoint_reader import read_dcp_metadata
+
+    save = shared_dir / "pp2_tied"
+    args = dict(num_layers=4, pipeline_model_parallel_size=2, train_iters=4, global_batch_size=8, micro_batch_size=2,
+                eval_iters=0)
+    whole = train(tiny_args(corpus, save=save, save_interval=2, **args))
+    keys = set(read_dcp_metadata(save / "iter_0000002").state_dict_metadata)
+    assert "model.tok_embeddings.weight" in keys and "model.output.weight" not in keys
+    assert not [key for key in keys if ".output.weight." in key]  # no optimizer state of the copy
+    assert any(key.startswith("optimizer.state.tok_embeddings.weight.") for key in keys)
+    resumed = train(tiny_args(corpus, load=save / "iter_0000002", **args))
+    assert resumed.losses == whole.losses[2:]
+    pm, _, _ = restore(save, mesh=mesh(tp=1))
+    state = pm.full_state_dict()
+    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])

@@ -297,3 +297,18 @@ def test_a_tied_pipelined_checkpoint_holds_the_embedding_once_and_resumes_exactl
     pm, _, _ = restore(save, mesh=mesh(tp=1))
     state = pm.full_state_dict()
     assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+
+
+def test_a_folded_expert_checkpoint_resumes_under_expert_tensor_parallelism(corpus, shared_dir):
+    """ETP 1 (experts whole, folded over TP x EP) saves each expert once; the checkpoint resumes
+    exactly under the same plan, and loads under ETP = TP (each expert's hidden dim split over
+    TP instead) with the same weights."""
+    save = shared_dir / "etp1"
+    args = dict(num_layers=2, tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                num_experts=4, moe_router_topk=2, train_iters=4, global_batch_size=8, micro_batch_size=2,
+                use_distributed_optimizer=True, eval_iters=0)
+    whole = train(tiny_args(corpus, save=save, save_interval=2, expert_tensor_parallel_size=1, **args))
+    resumed = train(tiny_args(corpus, load=save / "iter_0000002", expert_tensor_parallel_size=1, **args))
+    assert resumed.losses == whole.losses[2:]
+    other = train(tiny_args(corpus, load=save / "iter_0000002", **{**args, "train_iters": 3}))
+    assert len(other.losses) == 1 and abs(other.losses[0] - whole.losses[2]) < 1e-4 * abs(whole.losses[2])

@@ -25,13 +25,14 @@ import torch.nn.functional as F
 VOCAB, SEQ = 264, 16  # dtmega's byte tokenizer (258 ids) fits; TP2 divides it
 
 
-def main(out: str, gpt_blocks: bool = False, qk_layernorm: bool = False) -> None:
+def main(out: str, gpt_blocks: bool = False, qk_layernorm: bool = False, rotary_percent: float = 1.0) -> None:
     """`gpt_blocks`: Megatron's GPT blocks instead (what pretrain_gpt.py builds without --swiglu):
     LayerNorm, learned absolute positions, biases on every linear layer, a GeLU MLP of 4 x hidden
     (F.gelu: --no-bias-gelu-fusion), the output tied to the word embedding; dropout 0 (a forward
     in eval mode drops nothing anyway). `qk_layernorm` (with gpt_blocks): --qk-layernorm (a
     LayerNorm on each query and key head) with RoPE instead of learned positions, so the norms'
-    per-head vectors are read in Megatron's half-split channel order."""
+    per-head vectors are read in Megatron's half-split channel order. `rotary_percent` (with RoPE):
+    Megatron's partial rotary, RoPE on each head's first int(head_dim x it) channels."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     from megatron.core import dist_checkpointing, parallel_state
@@ -60,7 +61,7 @@ def main(out: str, gpt_blocks: bool = False, qk_layernorm: bool = False) -> None
     spec = get_gpt_layer_local_spec(normalization=block["normalization"], qk_layernorm=qk_layernorm)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type="learned_absolute" if gpt_blocks and not qk_layernorm else "rope",
-                     rotary_base=10000,
+                     rotary_base=10000, rotary_percent=rotary_percent,
                      share_embeddings_and_output_weights=gpt_blocks).eval()
     if gpt_blocks:  # biases and LayerNorm weights start at 0 and 1: random, so a misplaced one shows; the MLP's
         # inputs O(1) (its weights x 20), where GeLU's erf and tanh forms differ by ~1e-3, not ~1e-6
@@ -92,4 +93,6 @@ if __name__ == "__main__":  # the torch_dist writer's spawned helper re-imports 
     # The process ends normally, not with os._exit as benchmarks/common.run_worker does: the
     # torch_dist writer's spawned multiprocessing Manager is shut down at exit, and skipping that
     # would leave it holding the caller's pipes open (the test waiting on them forever).
-    main(sys.argv[1], gpt_blocks="--gpt-blocks" in sys.argv[2:], qk_layernorm="--qk-layernorm" in sys.argv[2:])
+    percent = float(sys.argv[sys.argv.index("--rotary-percent") + 1]) if "--rotary-percent" in sys.argv else 1.0
+    main(sys.argv[1], gpt_blocks="--gpt-blocks" in sys.argv[2:], qk_layernorm="--qk-layernorm" in sys.argv[2:],
+         rotary_percent=percent)

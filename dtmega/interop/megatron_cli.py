@@ -41,6 +41,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--apply-layernorm-1p", action="store_true", help="GPT blocks: zero-centred norm weights")
     parser.add_argument("--attention-dropout", type=float, default=0.1, help="GPT blocks: the converted model's")
     parser.add_argument("--hidden-dropout", type=float, default=0.1, help="GPT blocks: the converted model's")
+    parser.add_argument("--rotary-percent", type=float, default=1.0,
+                        help="GPT blocks with RoPE: the share of each head's channels the run rotated")
 
 
 def convert_megatron(a: argparse.Namespace) -> Path:
@@ -61,9 +63,9 @@ def convert_megatron(a: argparse.Namespace) -> Path:
     checkpoint = MegatronCheckpoint(a.load)
     arch = MegatronArchitecture(a.num_attention_heads, a.num_query_groups, a.rotary_base, a.rotary_interleaved,
                                 a.use_rope_scaling, a.rope_scaling_factor, a.norm_epsilon, a.max_position_embeddings)
-    if is_gpt_checkpoint(checkpoint):
+    if is_gpt_checkpoint(checkpoint) or a.rotary_percent != 1.0:  # partial rotary: GPT blocks (any shape)
         flags = GPTBlockFlags(a.squared_relu, a.no_bias_gelu_fusion, a.apply_layernorm_1p, a.attention_dropout,
-                              a.hidden_dropout)
+                              a.hidden_dropout, a.rotary_percent)
         config = gpt_config_from_megatron(checkpoint, arch, flags)
         name, build, to_dict, read, embedding = "gpt", GPT, dataclasses.asdict, gpt_state_from_megatron, \
             "embedding.word.weight"

@@ -35,6 +35,7 @@ class GPTBlockFlags:
     apply_layernorm_1p: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
+    rotary_percent: float = 1.0  # RoPE on the first int(head_dim x this) channels of each head
 
 
 def is_gpt_checkpoint(checkpoint: MegatronCheckpoint) -> bool:
@@ -90,6 +91,7 @@ def gpt_config_from_megatron(checkpoint: MegatronCheckpoint, arch: MegatronArchi
         gelu_approximate="none" if flags.no_bias_gelu_fusion or not checkpoint.has(bias_key) else "tanh",
         attention_dropout=flags.attention_dropout, hidden_dropout=flags.hidden_dropout,
         tie_embeddings=not checkpoint.has("output_layer.weight"), qk_norm=checkpoint.has(qk_norm_key),
+        rotary_percent=flags.rotary_percent,
     )
 
 
@@ -104,6 +106,14 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
 
     def read(key: str) -> torch.Tensor:
         return checkpoint.read(key).float()
+
+    def rotated_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+        """A q/k projection's rows, each head's rotated channels (--rotary-percent's first share)
+        from Megatron's half-split order into dtmega's interleaved pairs; the rest as they are."""
+        rotated = config.rotary_dim
+        per_head = rows.reshape(count, head_dim, -1)
+        moved = hf_rows_to_dtmega(per_head[:, :rotated].reshape(count * rotated, -1), count)
+        return torch.cat([moved.reshape(count, rotated, -1), per_head[:, rotated:]], dim=1).reshape(rows.shape)
 
     out = {"embedding.word.weight": read("embedding.word_embeddings.weight")}
     if config.position_embedding == "learned_absolute":
@@ -120,7 +130,7 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
         k = blocks[:, per_group * head_dim:(per_group + 1) * head_dim].reshape(groups * head_dim, -1)
         v = blocks[:, (per_group + 1) * head_dim:].reshape(groups * head_dim, -1)
         if reorder:
-            q, k = hf_rows_to_dtmega(q, heads), hf_rows_to_dtmega(k, groups)
+            q, k = rotated_rows(q, heads), rotated_rows(k, groups)
         shaped = (lambda t: t.reshape(-1)) if kind == "bias" else (lambda t: t)
         return {f"{prefix}.attention.w{n}.{kind}": shaped(t).contiguous() for n, t in (("q", q), ("k", k), ("v", v))}
 
@@ -151,7 +161,7 @@ def gpt_state_from_megatron(checkpoint: MegatronCheckpoint, config: GPTConfig,
         names.append(("self_attention.linear_qkv.bias", lambda t, p: qkv(t[:, None], p, "bias")))
 
     def head_vector(tensor: torch.Tensor) -> torch.Tensor:  # a q/k norm's [head_dim] in dtmega's channel order
-        return hf_rows_to_dtmega(tensor[:, None], 1)[:, 0].contiguous() if reorder else tensor
+        return rotated_rows(tensor[:, None], 1)[:, 0].contiguous() if reorder else tensor
 
     if config.qk_norm:  # --qk-layernorm: the block's norm kind on each head, weights (and biases) [head_dim]
         for kind in ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",):

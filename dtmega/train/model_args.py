@@ -49,7 +49,8 @@ class ModelArgs:
                                                             "yarn is not supported yet)",
                                         ("rope", "learned_absolute", "none", "yarn"))
     rotary_base: float = _opt(10000.0, "RoPE theta")
-    rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (only 1.0 is supported)")
+    rotary_percent: float = _opt(1.0, "share of each head's dimensions RoPE rotates (below 1: Megatron's partial "
+                                      "rotary, on GPT blocks)")
     kv_channels: int | None = _opt(None, "width of each attention head (default --hidden-size / --num-attention-heads; "
                                          "Qwen3: 128)")
     qk_layernorm: bool = _opt(False, "RMSNorm on each query and key head before RoPE (Qwen3's attention; with "

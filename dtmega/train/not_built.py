@@ -99,8 +99,11 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              _uniform_groups,
              "one checkpoint per group of N blocks is not supported yet (each block is its own unit). Fix: "
              "--recompute-num-layers 1, or --recompute-method block"),
-    NotBuilt("--rotary-percent below 1", ("--rotary-percent", "0.5"), lambda a: a.rotary_percent != 1.0,
-             "partial rotary embeddings (RoPE on part of each head) are not supported yet. Fix: --rotary-percent 1.0"),
+    NotBuilt("--rotary-percent below 1 with --model or --load-hf", ("--model", "llama3-8b", "--rotary-percent", "0.5"),
+             lambda a: a.rotary_percent != 1.0 and bool(a.model or a.load_hf),
+             "partial rotary embeddings are built for models sized by Megatron's flags (the GPT family's "
+             "blocks); a named or Hugging Face model keeps its own RoPE. Fix: --rotary-percent 1.0, or size the "
+             "model with --num-layers/--hidden-size/... flags"),
     NotBuilt("--rotary-seq-len-interpolation-factor above 1", ("--rotary-seq-len-interpolation-factor", "2"),
              lambda a: (a.rotary_seq_len_interpolation_factor or 1) != 1,
              "RoPE position interpolation is not supported yet (--use-rope-scaling gives Llama 3.1's frequency "

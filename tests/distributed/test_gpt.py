@@ -40,6 +40,9 @@ PLANS = {
     # gradients TP sums over the ranks holding other heads (head_norm)
     "qknorm_tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
     "qknorm_tp2_fsdp2": (dict(tp=2, dp_shard=2), [TensorParallel(), DataParallel("fsdp")]),
+    # --rotary-percent 0.5 with RoPE: each head's first half rotated, the rest passed through
+    "halfrope_cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DataParallel("ddp")]),
+    "halfrope_tp2_sp": (dict(tp=2), [TensorParallel(), SequenceParallel()]),
     "cp2_ring": (dict(cp=2), [ContextParallel(method="ring"), DataParallel("ddp")]),
     "cp2_all_gather": (dict(cp=2), [ContextParallel(method="all_gather"), DataParallel("ddp")]),
     "pp2_tied": (dict(pp=2), [PipelineSplit(microbatches=2), DataParallel("ddp")]),
@@ -75,9 +78,10 @@ MOE_PLANS = {
 }
 
 
-def gpt_config(cp: bool = False, moe: MoEConfig | None = None, qk_norm: bool = False):
+def gpt_config(cp: bool = False, moe: MoEConfig | None = None, qk_norm: bool = False, half_rope: bool = False):
+    rope = dict(position_embedding="rope", rotary_percent=0.5) if half_rope else {}
     return GPT_SIZES["gpt-debug"].replace(attention_dropout=0.0 if cp else 0.1, hidden_dropout=0.1, moe=moe,
-                                          qk_norm=qk_norm)
+                                          qk_norm=qk_norm, **rope)
 
 
 def build(config, seed: int):
@@ -135,7 +139,8 @@ def test_gpt_plan_with_dropout_matches_unsharded(name):
         sizes, passes = PLANS[name]
     torch.set_default_dtype(torch.float64)
     try:
-        config = gpt_config(cp="cp" in sizes, moe=moe, qk_norm=name.startswith("qknorm"))
+        config = gpt_config(cp="cp" in sizes, moe=moe, qk_norm=name.startswith("qknorm"),
+                            half_rope=name.startswith("halfrope"))
         reference, meta_copy = build(config, seed=61)
         pm = dtmega.parallelize(meta_copy(), first_copy_mesh(**sizes), dtmega.Plan(passes))
         pm.init_weights(seed=61)
@@ -154,10 +159,12 @@ def assert_equal_but_key_bias(result, reference) -> None:
     (with --qk-layernorm, the key norm's bias instead: it is then the last add): adding a bias to every key adds the same q.b
     to a query's every score, which softmax cancels (learned positions: no rotation), so that
     gradient is zero up to roundoff in both models (their relative error is noise over noise).
-    That it is noise is held instead: far below the query's counterpart."""
+    That it is noise is held instead: far below the query's counterpart. Under RoPE none is noise."""
     normed = any(name.endswith("attention.k_norm.bias") for name in result.grads)  # the last add on keys is the norm's
     last = "attention.k_norm.bias" if normed else "attention.wk.bias"
-    noise = [name for name in result.grads if name.endswith(last)]
+    # under RoPE the bias is rotated by each key's position, so no longer the same for every key: compared as the rest
+    rotated = reference.config.position_embedding == "rope"
+    noise = [] if rotated else [name for name in result.grads if name.endswith(last)]
     rest = {name: error for name, error in result.grads.items() if name not in noise}
     worst = max(rest, key=rest.get)
     assert rest[worst] <= RTOL, f"gradient {worst} relative error {rest[worst]:.2e} > {RTOL}"

@@ -148,6 +148,8 @@ def test_a_line_without_block_flags_builds_megatrons_gpt_blocks():
     (["--attention-dropout", "0.0", "--hidden-dropout", "0.2"], "hidden_dropout", 0.2),
     (["--untie-embeddings-and-output-weights"], "tie_embeddings", False),
     (["--qk-layernorm"], "qk_norm", True),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0.5"], "rotary_dim", 8),
+    ([*LLAMA_BLOCK, "--rotary-percent", "0.5"], "rotary_percent", 0.5),  # a Llama block with partial rotary: GPT blocks
 ])
 def test_each_block_flag_reaches_the_gpt_config(flags, field, value):
     spec, config = _model([*BASE, *flags])
@@ -179,6 +181,7 @@ def test_qk_layernorm_is_qwen3_on_llama_blocks_and_the_gpt_blocks_own_norms_othe
     ["--apply-layernorm-1p"], ["--normalization", "RMSNorm", "--apply-layernorm-1p"],
     ["--position-embedding-type", "rope", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias"],
     ["--qk-layernorm", "--position-embedding-type", "rope", "--apply-layernorm-1p"],
+    ["--position-embedding-type", "rope", "--rotary-percent", "0.5"],
 ])
 def test_gpt_variants_run_forward_and_backward(flags):
     spec, config = _model([*BASE, *flags])

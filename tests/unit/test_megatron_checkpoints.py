@@ -140,6 +140,25 @@ def megatron_gpt_qk_checkpoint(tmp_path_factory) -> Path:
     return _megatron_core_checkpoint(tmp_path_factory.mktemp("megatron_gpt_qk"), "--gpt-blocks", "--qk-layernorm")
 
 
+def test_megatron_core_partial_rotary_converts_with_logits_parity(tmp_path):
+    """--rotary-percent 0.5 (RoPE on each head's first 8 of 16 channels, the frequencies of an
+    8-wide head): megatron-core's logits (1e-5); converted as full rotary, other logits."""
+    from dtmega.train.restore import restore
+
+    source = _megatron_core_checkpoint(tmp_path / "megatron", "--gpt-blocks", "--qk-layernorm", "--rotary-percent", "0.5")
+    reference = torch.load(source / "logits.pt")
+    errors = {}
+    for name, extra in (("half", ["--rotary-percent", "0.5"]), ("full", [])):
+        assert dtmega_main(["convert", "megatron-to-dtmega", "--load", str(source / "iter_0000001"),
+                            "--save", str(tmp_path / name), *FLAGS, "--no-bias-gelu-fusion", *extra]) == 0
+        pm, _, _ = restore(tmp_path / name)
+        pm.module.eval()
+        with torch.no_grad():
+            ours = pm.module(reference["tokens"])
+        errors[name] = float((ours - reference["logits"]).abs().max() / reference["logits"].abs().max())
+    assert errors["half"] < 1e-5 and errors["full"] > 1e-4, errors
+
+
 def test_megatron_core_gpt_blocks_with_qk_layernorm_convert_with_logits_parity(megatron_gpt_qk_checkpoint, tmp_path):
     """--qk-layernorm on GPT blocks with RoPE: each head's LayerNorm (weight and bias) is read and
     put in dtmega's channel order; logits equal megatron-core's (1e-5). Converting with

@@ -35,6 +35,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     position_embedding: str = "learned_absolute"
     rope_theta: float = 10000.0
+    rotary_percent: float = 1.0  # --rotary-percent: RoPE on the first int(head_dim x this) channels of each head
     bias: bool = True  # --add-bias-linear (Megatron's default) / --disable-bias-linear
     qkv_bias: bool | None = None  # None: as `bias`; --add-qkv-bias puts biases on q, k, v only
     activation: str = "gelu"
@@ -76,6 +77,11 @@ class GPTConfig:
                             f"{self.activation!r} (Megatron's experts use the model's activation)")
         if self.position_embedding == "rope" and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 0.0 < self.rotary_percent <= 1.0 or (self.position_embedding == "rope" and
+                                                     (self.rotary_dim <= 0 or self.rotary_dim % 2)):
+            problems.append(f"rotary_percent={self.rotary_percent} must be in (0, 1] and rotate an even, positive "
+                            f"number of each head's {self.head_dim} channels (int(head_dim x rotary_percent) = "
+                            f"{int(self.head_dim * self.rotary_percent)})")
         if problems:
             raise DtmegaError("invalid GPTConfig: " + "; ".join(problems))
 
@@ -83,6 +89,12 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Width of one attention head: kv_channels, else dim / n_heads."""
         return self.kv_channels if self.kv_channels is not None else self.dim // max(1, self.n_heads)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head RoPE rotates (Megatron: int(kv_channels x rotary_percent)); the
+        rest pass through unrotated."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def kv_heads(self) -> int:

@@ -19,7 +19,8 @@ def llama_shaped(args: Any) -> bool:
     """Whether Megatron's flags describe a Llama block (what dtmega's Llama computes exactly)."""
     return (args.swiglu and args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
             and args.disable_bias_linear and not args.add_qkv_bias and not args.apply_layernorm_1p
-            and not args.squared_relu and not args.attention_dropout and not args.hidden_dropout)
+            and not args.squared_relu and not args.attention_dropout and not args.hidden_dropout
+            and args.rotary_percent == 1.0)
 
 
 def gpt_features(args: Any) -> list[str]:
@@ -37,6 +38,8 @@ def gpt_features(args: Any) -> list[str]:
         found.append("biases (no --disable-bias-linear)")
     if args.add_qkv_bias:
         found.append("--add-qkv-bias")
+    if args.rotary_percent != 1.0:
+        found.append(f"--rotary-percent {args.rotary_percent}")
     if args.attention_dropout or args.hidden_dropout:
         found.append(f"dropout (--attention-dropout {args.attention_dropout} --hidden-dropout {args.hidden_dropout})")
     return found
@@ -89,7 +92,7 @@ def gpt_flags_config(args: Any, tokenizer_vocab: int):
             gelu_approximate=gelu_form,
             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
             tie_embeddings=not args.untie_embeddings_and_output_weights, init_std=args.init_method_std,
-            kv_channels=head_dim, moe=moe, qk_norm=args.qk_layernorm,
+            kv_channels=head_dim, moe=moe, qk_norm=args.qk_layernorm, rotary_percent=args.rotary_percent,
         )
     except ValueError as error:
         raise ArgumentError(str(error)) from None

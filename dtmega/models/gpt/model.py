@@ -199,7 +199,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, rope)
+            q, k = self._rotate(q, k, rope)
         if cache is not None:
             offset = cache.owner.length
             k, v = cache.update(k, v)
@@ -212,6 +212,17 @@ class Attention(nn.Module):
         else:
             out = self.core(q, k, v)
         return self.wo(out.reshape(batch, seq, -1))
+
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the channels the table covers (all, or --rotary-percent's first share of each
+        head, as Megatron's partial rotary); the rest pass through."""
+        rotated = 2 * rope.shape[-2]
+        if rotated == self.head_dim:
+            return self.rotary(q, k, rope)
+        (q_rot, q_pass), (k_rot, k_pass) = (t.split([rotated, self.head_dim - rotated], dim=-1) for t in (q, k))
+        q_rot, k_rot = self.rotary(q_rot, k_rot, rope)
+        return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
 
 
 class TransformerBlock(nn.Module):
@@ -298,7 +309,7 @@ class GPT(Decoder):
         c = self.config
         if c.position_embedding != "rope":
             return torch.zeros(0, device=device)
-        return rope_cache(c.max_seq_len, c.head_dim, c.rope_theta, None, device=device)
+        return rope_cache(c.max_seq_len, c.rotary_dim, c.rope_theta, None, device=device)  # --rotary-percent's share
 
     def _dropping(self) -> bool:
         c = self.config

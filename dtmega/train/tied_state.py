@@ -16,10 +16,21 @@ from dtmega.passes.tied_embeddings import TIED_COPY
 
 
 def _storage(tensor: Any) -> int | None:
+    """The address of the memory a tensor's (local) values live in: a wrapper subclass (an FP8
+    weight's) by the tensor it wraps; None for empty shards (they share no storage) and for
+    tensors whose storage cannot be read."""
     if not isinstance(tensor, torch.Tensor):
         return None
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.untyped_storage().data_ptr() if local.numel() else None  # empty shards share no storage
+    while type(local) not in (torch.Tensor, torch.nn.Parameter) and hasattr(local, "__tensor_flatten__"):
+        inner, _ = local.__tensor_flatten__()
+        local = getattr(local, inner[0])
+    if not local.numel():
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # a subclass without storage of its own
+        return None
 
 
 def tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, str]:

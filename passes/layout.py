@@ -56,8 +56,10 @@ class ParamLayout:
 
     def local_bytes(self, mesh: dict[str, int], coordinate: dict[str, int] | None = None) -> int:
         """Bytes this parameter occupies on one rank (0 for a tied alias; its owner counts it)."""
-        if self.tied_to is not None:
-            return 0
+        return 0 if self.tied_to is not None else self.shard_bytes(mesh, coordinate)
+
+    def shard_bytes(self, mesh: dict[str, int], coordinate: dict[str, int] | None = None) -> int:
+        """Bytes of this parameter's shard on one rank, alias or not (a stage's tied copy)."""
         return math.prod(self.local_shape(mesh, coordinate)) * _DTYPE_BYTES.get(self.dtype, 4)
 
 
@@ -131,8 +133,7 @@ class Layout:
 
     def entry_bytes(self, entry: "ModuleLayout", coordinate: dict[str, int] | None = None) -> int:
         """Bytes of `entry`'s parameters on one of its ranks, a stage's tied copy included."""
-        return sum(math.prod(p.local_shape(self.mesh, coordinate)) * _DTYPE_BYTES.get(p.dtype, 4)
-                   for p in entry.params.values() if self.held(entry, p))
+        return sum(p.shard_bytes(self.mesh, coordinate) for p in entry.params.values() if self.held(entry, p))
 
     def _on_rank(self, entry: "ModuleLayout", coordinate: dict[str, int] | None) -> bool:
         if entry.stage is None or self.stage_ranks is None:

@@ -37,8 +37,13 @@ def tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, str]
     """{key of a copy in the model's `state`: key of the weight it copies}: a parameter tagged as
     a pipeline stage's copy (TIED_COPY names its weight), and a parameter listed twice on this
     rank (a tied model's output layer: the first name is the weight's)."""
-    tagged = {_storage(p): owner for p in model.parameters() if isinstance(owner := getattr(p, TIED_COPY, None), str)}
-    params = {_storage(p) for p in model.parameters()} - {None}
+    params, tagged = set(), {}
+    for param in model.parameters():
+        storage = _storage(param)
+        params.add(storage)
+        if isinstance(owner := getattr(param, TIED_COPY, None), str):
+            tagged[storage] = owner
+    params.discard(None)
     copies, first = {}, {}
     for key, value in state.items():
         storage = _storage(value)

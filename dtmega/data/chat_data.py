@@ -35,6 +35,7 @@ import numpy as np
 from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.data.tokenizer_reference import tokenizer_reference
 from dtmega.kernels.errors import DtmegaError
+from dtmega.safe_files import create_exclusive, replace_from_temporary
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FORMAT = "dtmega-sft-v1"
@@ -187,11 +188,12 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(f"{prefix}_sft.bin.tmp")
-    data.tofile(temporary)
+    with create_exclusive(temporary) as handle:  # never written through a planted link
+        data.tofile(handle)
     temporary.replace(f"{prefix}_sft.bin")
     header = {"format": FORMAT, "seq_length": seq_length, "samples": counts.samples,
               "conversations": counts.conversations, "truncated": counts.truncated, "dropped": counts.dropped,
               "without_answer": counts.without_answer, "assistant_tokens": counts.assistant_tokens,
               "eod": int(tokenizer.eod), "chat_template": chat.source, "tokenizer": reference}
-    Path(f"{prefix}_sft.json").write_text(json.dumps(header, indent=1))
+    replace_from_temporary(Path(f"{prefix}_sft.json"), json.dumps(header, indent=1))
     return counts

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.safe_files import read_regular_text
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")  # what a template reads
@@ -29,6 +30,11 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_token
 
 class ChatTemplateError(DtmegaError):
     """A template that cannot be read or rendered; the message names the fix."""
+
+
+def _read(path: Path) -> str:
+    """A template file's text: a regular file of at most 64 MiB (a FIFO or a device is refused)."""
+    return read_regular_text(path, "the chat template file")
 
 
 def _json_object(text: str | None, what: str) -> dict:
@@ -64,13 +70,12 @@ class ChatTemplate:
         `preprocess --chat`); ChatTemplateError naming the fix when there is none or it does not parse."""
         path = Path(path)
         if path.is_dir():
-            files = {name: (path / name).read_text() for name in TEMPLATE_FILES if (path / name).is_file()}
-        elif path.suffix == ".json" and path.is_file():
-            files = {"tokenizer_config.json": path.read_text()}
-        elif path.is_file():  # a .jinja file, with the special tokens of the tokenizer files beside it
-            files = {name: (path.parent / name).read_text() for name in TEMPLATE_FILES[1:]
-                     if (path.parent / name).is_file()}
-            files["chat_template.jinja"] = path.read_text()
+            files = {name: _read(path / name) for name in TEMPLATE_FILES if (path / name).exists()}
+        elif path.suffix == ".json" and path.exists():
+            files = {"tokenizer_config.json": _read(path)}
+        elif path.exists():  # a .jinja file, with the special tokens of the tokenizer files beside it
+            files = {name: _read(path.parent / name) for name in TEMPLATE_FILES[1:] if (path.parent / name).exists()}
+            files["chat_template.jinja"] = _read(path)
         else:
             raise ChatTemplateError(f"--chat-template {path}: no such file or directory. Fix: a Hugging Face tokenizer "
                                     "directory, its tokenizer_config.json, or a .jinja file")

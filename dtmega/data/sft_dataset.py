@@ -8,7 +8,6 @@ read past its end starts over (epochs), like the GPT datasets.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from dtmega.data.tokenizer_reference import tokenizer_from_reference
 from dtmega.data.tokenizers import Tokenizer
 from dtmega.kernels.document_attention import positions_from_documents
 from dtmega.kernels.errors import DtmegaError
+from dtmega.safe_files import read_regular_json
 
 
 def read_header(prefix: str) -> dict:
@@ -30,8 +30,8 @@ def read_header(prefix: str) -> dict:
     if not path.is_file():
         raise DtmegaError(f"--sft reads {path}, which does not exist. Fix: dtmega preprocess --chat --output-prefix "
                           f"{prefix} ... (or drop --sft for pretraining data)")
-    header = json.loads(path.read_text())
-    if header.get("format") != FORMAT:
+    header = read_regular_json(path, "the chat data's header")
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise DtmegaError(f"{path} is not a {FORMAT} file. Fix: make it with dtmega preprocess --chat")
     return header
 
@@ -94,7 +94,24 @@ def check_sft_file(prefix: str, seq_length: int, vocab_size: int) -> None:
     if not path.is_file() or path.stat().st_size != expected:
         raise DtmegaError(f"{path} is missing or not the {expected} bytes its header says. Fix: preprocess again")
     data = np.memmap(path, dtype=np.int32, mode="r", shape=(header["samples"], 3, seq_length + 1))
-    top = int(data[:, 0].max())
+    damaged = f"Fix: preprocess again (dtmega preprocess --chat writes {path.name} and its header together)"
+    step = max(1, (64 << 20) // (12 * (seq_length + 1)))  # about 64 MiB of samples per vectorised pass
+    top = -1
+    for start in range(0, header["samples"], step):
+        part = np.asarray(data[start:start + step])
+        tokens, flags, documents = part[:, 0], part[:, 1], part[:, 2]
+        if (tokens < 0).any():
+            raise DtmegaError(f"{path} holds the negative token id {int(tokens.min())}: it is damaged. {damaged}")
+        top = max(top, int(tokens.max()))
+        odd = (flags != 0) & (flags != 1)
+        if odd.any():  # matrix-3 D5: flags 7 and -3 trained a loss of -2502 without a word
+            raise DtmegaError(f"{path} holds the loss flag {int(flags[odd][0])} in sample {start + int(odd.any(1).argmax())}"
+                              f": each position's flag is 0 (prompt) or 1 (answer), so the file is damaged. {damaged}")
+        if (documents[:, 0] != 0).any() or (np.diff(documents, axis=1) < 0).any():
+            bad = start + int(((documents[:, 0] != 0) | (np.diff(documents, axis=1) < 0).any(1)).argmax())
+            raise DtmegaError(f"{path}: sample {bad}'s conversation ids do not rise from 0 along the sample (each "
+                              f"conversation is one run of positions): the file is damaged, or its header does not "
+                              f"describe it. {damaged}")
     if top >= vocab_size:
         raise DtmegaError(f"{path} holds token id {top}, but this run's tokenizer has {vocab_size} ids. Fix: the "
                           "tokenizer the chat data was preprocessed with")

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.safe_files import TOKENIZER_LIMIT, read_regular_text
 
 # The split regexes Megatron-Core names v1 and v2 (data: the ids depend on them exactly).
 PATTERNS = {
@@ -66,12 +67,12 @@ def read_ranks(path: str | Path, needed: int) -> list[dict]:
     """The first `needed` entries of a tiktoken vocabulary file, checked as Megatron checks them
     (a list whose i-th entry has rank i, the first 256 the single bytes)."""
     path = Path(path)
-    if path.suffix != ".json" or not path.is_file():
+    if path.suffix != ".json" or not path.exists():
         raise DtmegaError(f"--tokenizer-model {path}: TikTokenizer reads a .json vocabulary (a list of rank, "
                           "token_bytes, token_str entries). Fix: the tokenizer's .json file")
     try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
+        entries = json.loads(read_regular_text(path, "--tokenizer-model", TOKENIZER_LIMIT))
+    except ValueError as error:
         raise DtmegaError(f"--tokenizer-model {path} is not JSON ({error}). Fix: the tokenizer's .json file") from None
     return check_ranks(entries, needed, str(path))
 

@@ -20,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dtmega.data.byte_level import byte_symbols
 from dtmega.kernels.errors import DtmegaError, MissingInput
+from dtmega.safe_files import TOKENIZER_LIMIT, check_regular, read_regular_bytes, read_regular_json
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer",
                    "TikTokenizer", "NullTokenizer", "byte")
@@ -234,7 +235,7 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
             raise DtmegaError(f"--tokenizer-type {spec.tokenizer_type} reads a SentencePiece tokenizer.model; "
                               f"{path} is not one. Fix: --tokenizer-type HuggingFaceTokenizer for a tokenizer.json "
                               "or a Hugging Face directory")
-        return SentencePieceTokenizer(path.read_bytes(), spec.eod_token)
+        return SentencePieceTokenizer(read_regular_bytes(path, "--tokenizer-model", TOKENIZER_LIMIT), spec.eod_token)
     if spec.tokenizer_type == "NullTokenizer":
         if spec.vocab_size is None:
             raise DtmegaError("--tokenizer-type NullTokenizer needs --vocab-size (the token ids are 0..N-1; N is "
@@ -250,7 +251,8 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     if spec.tokenizer_type == "GPT2BPETokenizer":
         vocab = _require_file(spec.vocab_file, "--vocab-file (vocab.json)", spec.tokenizer_type)
         merges = _require_file(spec.merge_file, "--merge-file (merges.txt)", spec.tokenizer_type)
-        model = HFTokenizerModel(models.BPE.from_file(str(vocab), str(merges)))
+        model = HFTokenizerModel(models.BPE.from_file(str(check_regular(vocab, "--vocab-file")),
+                                                      str(check_regular(merges, "--merge-file"))))
         model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         model.decoder = decoders.ByteLevel()
         return HuggingFaceTokenizer(model, spec.eod_token or BPE_EOD)
@@ -286,7 +288,7 @@ def tokenizer_from_path(path: str | Path, eod_token: str | None = None) -> Token
                                 "tokenizer.model. Fix: the directory the model's tokenizer was saved to")
     if not path.exists():
         raise MissingInput(f"--tokenizer-model {path} does not exist")
-    data = path.read_bytes()
+    data = read_regular_bytes(path, "--tokenizer-model", TOKENIZER_LIMIT)
     if data.lstrip()[:1] == b"{":
         text = data.decode("utf-8")
         if not text.lstrip().startswith('{"dtmega_tokenizer"'):
@@ -310,7 +312,8 @@ def directory_eos_token(path: Path) -> str | None:
     settings = Path(path) / "tokenizer_config.json"
     if not settings.exists():
         return None
-    token = json.loads(settings.read_text()).get("eos_token")
+    value = read_regular_json(settings, "the tokenizer settings")
+    token = value.get("eos_token") if isinstance(value, dict) else None
     return token.get("content") if isinstance(token, dict) else token
 
 

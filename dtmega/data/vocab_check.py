@@ -19,6 +19,7 @@ import numpy as np
 
 from dtmega.data.indexed import IndexedDataset, read_stats
 from dtmega.kernels.errors import DtmegaError
+from dtmega.safe_files import read_regular_json, write_file_exclusive
 
 _CHUNK = 64 << 20
 
@@ -47,14 +48,14 @@ def max_token_id(prefix: str | Path) -> tuple[int, float | None]:
     data = IndexedDataset(prefix)
     cache = _cache_file(data)
     try:
-        return int(json.loads(cache.read_text())["max_token_id"]), None
+        return int(read_regular_json(cache, "the data's token-id cache")["max_token_id"]), None
     except (OSError, ValueError, KeyError, TypeError):
         pass
     highest = _scan(data) if data.num_tokens else -1
     try:  # a read-only data directory just means scanning again next time
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"max_token_id": highest}))
+        write_file_exclusive(tmp, json.dumps({"max_token_id": highest}))
         os.replace(tmp, cache)
     except OSError:
         pass

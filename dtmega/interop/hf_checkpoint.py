@@ -18,7 +18,6 @@ they are read, each rank only its regions: weight x its block's scale, in float3
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from dtmega.interop.local_model import require_local_dir
 from dtmega.kernels.errors import MissingInput
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.models.llama.hf_names import WeightSource
+from dtmega.safe_files import read_regular_json, read_regular_text
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -112,10 +112,7 @@ class HFCheckpoint:
         config_file = path / "config.json"
         if not config_file.exists():
             raise HFFormatError(f"{path} has no config.json; it is not a Hugging Face model directory")
-        try:
-            hf_config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as error:
-            raise HFFormatError(f"{config_file} is not JSON ({error})") from None
+        hf_config = read_regular_json(config_file, "config.json of the model")
         architecture = architecture_of(hf_config, str(config_file))
         config = architecture.config_from_hf(hf_config, str(config_file))
         block = fp8_block(hf_config, str(config_file))
@@ -131,7 +128,8 @@ class HFCheckpoint:
             tokenizer_found = _tokenizer(path, tokenizer_model, tokenizer, config)
         checkpoint = cls(path, hf_config, architecture, config, tokenizer_found,
                          files, shapes, dtypes,
-                         {name: (path / name).read_text() for name in KEPT_FILES if (path / name).exists()},
+                         {name: read_regular_text(path / name, "the model's file") for name in KEPT_FILES
+                          if (path / name).exists()},
                          block, notes)
         checkpoint.sources()  # every tensor present with the config's shape
         return checkpoint
@@ -252,8 +250,8 @@ def _index(path: Path) -> dict[str, Path]:
     index_file = path / INDEX
     if index_file.exists():
         try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
+            weight_map = read_regular_json(index_file, "the safetensors index")["weight_map"]
+        except (KeyError, TypeError) as error:
             raise HFFormatError(f"{index_file} is not a safetensors index (no weight_map: {error})") from None
         outside = sorted({str(file) for file in weight_map.values()
                           if not isinstance(file, str) or not is_file_name(file)})

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dtmega.checkpoint_reader import is_file_name, load_dcp, read_dcp_metadata
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import gather_objects
+from dtmega.safe_files import write_file_exclusive
 from dtmega.train.checkpoint_manifest import (
     MANIFEST,
     Verdict,
@@ -78,7 +79,7 @@ def _barrier() -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    write_file_exclusive(tmp, text)  # a planted link at the temporary's name is removed, not followed
     os.replace(tmp, path)
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dtmega.checkpoint_reader import is_file_name
 from dtmega.mesh import gather_objects
+from dtmega.safe_files import write_file_exclusive
 
 MANIFEST = "manifest.json"
 ALGORITHM = "crc32"
@@ -80,7 +81,7 @@ def write_manifest(directory: Path, leader_files: list[str], group=None) -> None
                  for part in everyone for name, (size, digest) in sorted(part.items())}
         text = json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1)
         tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(text)
+        write_file_exclusive(tmp, text)
         os.replace(tmp, directory / MANIFEST)
 
 

@@ -63,16 +63,16 @@ def _has_multi_token_prediction(args) -> bool:
     """Whether the run's model family has Megatron's multi-token prediction (dtmega/models/family.py,
     `Family.multi_token_prediction`): the family of --model, of --load-hf's architecture, or the
     one Megatron's flags select (--multi-latent-attention: DeepSeek)."""
-    import json
     from pathlib import Path
 
     from dtmega.models import family_for_flags, model_families, model_family
     from dtmega.models.registry import model_spec
+    from dtmega.safe_files import read_regular_json
 
     if args.load_hf:
         try:
-            named = json.loads((Path(args.load_hf) / "config.json").read_text()).get("architectures") or []
-        except (OSError, ValueError):
+            named = read_regular_json(Path(args.load_hf) / "config.json", "config.json of the model")["architectures"] or []
+        except (OSError, ValueError, KeyError, TypeError):
             return False  # --load-hf's own checks name the problem
         return any(family.multi_token_prediction for family in model_families()
                    for architecture in family.hf if len(named) == 1 and named[0] in architecture.names)

@@ -16,12 +16,14 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from dtmega.mesh import broadcast_object
+from dtmega.safe_files import read_regular_text
 from dtmega.train.checkpoint import CheckpointError
 
 LOCK = ".dtmega-lock"
@@ -43,7 +45,7 @@ class SaveLock:
 
 def _holder(path: Path) -> str:
     try:
-        who = json.loads(path.read_text())
+        who = json.loads(read_regular_text(path, "the lock file", 4096))
         return f"pid {who['pid']} on {who['host']}, since {who['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process whose details are unreadable"
@@ -52,7 +54,17 @@ def _holder(path: Path) -> str:
 def _try_lock(directory: Path) -> tuple[int | None, str | None, str | None]:
     """(descriptor, problem, note) for this process's attempt to take the lock."""
     path = directory / LOCK
-    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    refusal = (f"--save {directory}: {path} is {{}}, not the lock file dtmega writes; refused (locking it would write "
+               "through it). Fix: remove it, or pass another --save")
+    try:  # never through a link, and a FIFO cannot block the open
+        handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, refusal.format("a symbolic link"), None
+        raise
+    if not stat.S_ISREG(os.fstat(handle).st_mode):
+        os.close(handle)
+        return None, refusal.format("not a regular file"), None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:

@@ -75,14 +75,15 @@ def _has_experts(args: TrainArgs) -> bool:
     if args.num_experts:
         return True
     if args.load_hf:
-        import json
         from pathlib import Path
 
+        from dtmega.safe_files import read_regular_json
+
         try:
-            config = json.loads((Path(args.load_hf) / "config.json").read_text())
+            config = read_regular_json(Path(args.load_hf) / "config.json", "config.json of the model")
         except (OSError, ValueError):
             return False  # --load-hf's own checks name the problem
-        return bool(config.get("num_local_experts") or config.get("n_routed_experts"))
+        return isinstance(config, dict) and bool(config.get("num_local_experts") or config.get("n_routed_experts"))
     if args.model is None:
         return False
     from dtmega.models.registry import model_spec

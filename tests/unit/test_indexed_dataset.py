@@ -117,7 +117,51 @@ def test_damaged_pointers_are_refused(tmp_path):
     last_pointer = 9 + 8 + 1 + 8 + 8 + 4 * 4 + 3 * 8
     data[last_pointer:last_pointer + 8] = struct.pack("<q", 14)
     (tmp_path / "d.idx").write_bytes(bytes(data))
-    with pytest.raises(DatasetFormatError, match="last sequence pointer .14. and length do not end at the data's 92 bytes"):
+    with pytest.raises(DatasetFormatError, match="sequence 3's pointer is 14, but sequence 2 starts at 8 and holds 2"):
+        IndexedDataset(tmp_path / "d")
+
+
+LENGTHS_AT = 9 + 8 + 1 + 8 + 8  # after the magic, version, dtype code and the two counts
+POINTERS_AT = LENGTHS_AT + 4 * 4
+
+
+def _damage(prefix, at, fmt, value):
+    data = bytearray((prefix.parent / f"{prefix.name}.idx").read_bytes())
+    data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    (prefix.parent / f"{prefix.name}.idx").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    # matrix-3 D1: middle pointers that lie while the last one holds (one at 0, one past the .bin)
+    ((POINTERS_AT + 8, "<q", 0), r"sequence 1's pointer is 0, but sequence 0 starts at 0 and holds 3 tokens"),
+    ((POINTERS_AT + 16, "<q", 10**12), r"sequence 2's pointer is 1000000000000, but sequence 1 starts at 6"),
+    ((POINTERS_AT, "<q", 2), r"sequence 1's pointer is 6, but sequence 0 starts at 2 and holds 3"),
+    # matrix-3 D2: a negative length, the sum of lengths and the last pointer kept
+    ((LENGTHS_AT, "<i", -1), r"sequence 0 has the negative length -1"),
+    # document boundaries out of order or past the sequences
+    ((POINTERS_AT + 4 * 8 + 8, "<q", 9), r"document boundaries do not run from 0 to its 4 sequences in order"),
+])
+def test_every_pointer_and_length_of_the_index_is_checked(tmp_path, damage, message):
+    """Matrix-3 D1/D2: before, only the last pointer was compared, and training read another
+    document's bytes (or a slice to the end for a negative length) without a word."""
+    write(tmp_path / "d")
+    if "negative" in message:  # keep the lengths' sum (and so the .bin size check) intact, as the matrix's file did
+        _damage(tmp_path / "d", LENGTHS_AT + 4, "<i", 1 + 3 + 1)  # 3 + 1 = -1 + 5
+    _damage(tmp_path / "d", *damage)
+    with pytest.raises(DatasetFormatError, match=message):
+        IndexedDataset(tmp_path / "d")
+
+
+def test_a_fifo_or_device_named_as_the_data_is_refused_unread(tmp_path):
+    """Matrix-3's file rule: a FIFO at the .bin's name would block the open forever."""
+    import os
+
+    write(tmp_path / "d")
+    (tmp_path / "d.bin").unlink()
+    os.mkfifo(tmp_path / "d.bin")
+    from dtmega.safe_files import UnsafeFileError
+
+    with pytest.raises(UnsafeFileError, match=r"d.bin is a FIFO, not a regular file; refused unread"):
         IndexedDataset(tmp_path / "d")
 
 

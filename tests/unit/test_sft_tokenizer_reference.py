@@ -9,6 +9,7 @@ import hashlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from dtmega.data.sft_dataset import read_header, sft_tokenizer
@@ -70,3 +71,26 @@ def test_a_header_written_before_references_still_reads(made):
     with open(f"{prefix}_sft.json", "w") as out:
         json.dump(header, out)
     assert sft_tokenizer(prefix).encode(TEXT) == original.encode(TEXT)
+
+
+@pytest.mark.parametrize("damage, message", [
+    # matrix-3 D5: loss flags 7 and -3 trained a validation loss of -2502.92, exit 0
+    (lambda d: d[:, 1].__setitem__(slice(None), np.where(d[:, 1] == 1, 7, -3)), r"holds the loss flag (7|-3) in sample 0"),
+    # matrix-3 D4: conversation ids that fall inside a sample (another layout with the same byte count)
+    (lambda d: d[0, 2].__setitem__(slice(None), d[0, 2][::-1].copy()), r"sample 0's conversation ids do not rise from 0"),
+    (lambda d: d[0, 0].__setitem__(3, -5), r"holds the negative token id -5"),
+])
+def test_damaged_packed_chat_samples_are_refused_at_start_up(made, damage, message):
+    """`check_sft_file` (run before any process group) reads every sample's flags, ids and
+    conversation ids, naming the file and "preprocess again"."""
+    from dtmega.data.sft_dataset import check_sft_file
+
+    prefix, _ = made
+    header = read_header(prefix)
+    path = f"{prefix}_sft.bin"
+    data = np.fromfile(path, dtype=np.int32).reshape(header["samples"], 3, header["seq_length"] + 1)
+    check_sft_file(prefix, header["seq_length"], 1 << 20)  # the intact file passes
+    damage(data)
+    data.tofile(path)
+    with pytest.raises(DtmegaError, match=message):
+        check_sft_file(prefix, header["seq_length"], 1 << 20)

@@ -22,6 +22,9 @@ def known_architectures() -> list[HFArchitecture]:
 def architecture_of(hf_config: dict, source: str = "config.json") -> HFArchitecture:
     """The entry for a config.json, by its `architectures`; an HFFormatError naming what dtmega
     reads otherwise."""
+    if not isinstance(hf_config, dict):
+        raise HFFormatError(f"{source} holds a {type(hf_config).__name__}, not a JSON object. Fix: the model's "
+                            "own config.json")
     named = hf_config.get("architectures") or []
     known = known_architectures()
     for architecture in known:

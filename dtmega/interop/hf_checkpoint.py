@@ -18,6 +18,7 @@ they are read, each rank only its regions: weight x its block's scale, in float3
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,10 +39,10 @@ from dtmega.data.tokenizers import Tokenizer, tokenizer_from_path
 from dtmega.interop.hf_architectures import HFArchitecture, architecture_of
 from dtmega.interop.hf_reader import HFSafetensorsReader
 from dtmega.interop.local_model import require_local_dir
-from dtmega.kernels.errors import MissingInput
+from dtmega.kernels.errors import DtmegaError, MissingInput
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.models.llama.hf_names import WeightSource
-from dtmega.safe_files import read_regular_json, read_regular_text
+from dtmega.safe_files import check_regular, read_regular_json, read_regular_text
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -114,10 +116,11 @@ class HFCheckpoint:
             raise HFFormatError(f"{path} has no config.json; it is not a Hugging Face model directory")
         hf_config = read_regular_json(config_file, "config.json of the model")
         architecture = architecture_of(hf_config, str(config_file))
-        config = architecture.config_from_hf(hf_config, str(config_file))
+        config = config_of(architecture, hf_config, str(config_file))
         block = fp8_block(hf_config, str(config_file))
         files = _index(path)
         shapes, dtypes = _headers(files, block is not None)
+        _layers_in_the_shards(config, shapes, config_file)
         config, notes = _mtp_layers_present(config, set(files), path)
         if weights_only and tokenizer_model is None and tokenizer is None and not has_tokenizer_files(path):
             tokenizer_found = None
@@ -218,7 +221,13 @@ class HFCheckpoint:
         # a sub-mesh of a larger job) and a rank never waits for another.
         with warnings.catch_warnings():  # DCP's "assuming single process" note
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, planner=DataOnlyLoadPlanner(), no_dist=True)
+            try:
+                dcp.load(state, storage_reader=reader, planner=DataOnlyLoadPlanner(), no_dist=True)
+            except CheckpointException as wrapped:  # the reader's own refusal, as itself
+                for _, (error, _trace) in sorted(wrapped.failures.items()):
+                    if isinstance(error, DtmegaError):
+                        raise error from None
+                raise
         set_model_state_dict(module, state, options=StateDictOptions(strict=True))
 
 
@@ -245,6 +254,37 @@ def _mtp_layers_present(config: Any, names: set[str], path: Path) -> tuple[Any, 
     return config.replace(mtp_num_layers=0), [note]
 
 
+def config_of(architecture: HFArchitecture, hf_config: dict, source: str) -> Any:
+    """The family's config of `hf_config`: a field that is missing, of the wrong type or out of
+    range is one HFFormatError naming the file (and the field, where the reader knows it), never
+    a raw KeyError, TypeError or ZeroDivisionError from the reader (matrix 3, F3, F5, F19)."""
+    try:
+        return architecture.config_from_hf(hf_config, source)
+    except DtmegaError as error:
+        if isinstance(error, HFFormatError) or str(error).startswith(source):
+            raise
+        raise HFFormatError(f"{source}: {error}") from None
+    except KeyError as error:
+        raise HFFormatError(f"{source}: {error.args[0]} is missing. Fix: the model's complete config.json") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as error:
+        raise HFFormatError(f"{source}: a field is of the wrong type or out of range ({type(error).__name__}: "
+                            f"{error}). Fix: the model's own config.json") from None
+
+
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _layers_in_the_shards(config: Any, shapes: dict[str, tuple[int, ...]], config_file: Path) -> None:
+    """Refuses a config.json that names more layers than the shards hold, from the tensor names
+    alone, before any model (even on the meta device) is built: 10^6 layers over 2 layers of
+    weights took 5 GB and minutes to build before the comparison that refused it (matrix 3, F2)."""
+    wanted = getattr(config, "n_layers", None)
+    present = {int(match.group(1)) for name in shapes if (match := _LAYER_NAME.search(name))}
+    if isinstance(wanted, int) and present and wanted > max(present) + 1:
+        raise HFFormatError(f"{config_file}: num_hidden_layers (n_layer) is {wanted}, but the shards hold layers 0.."
+                            f"{max(present)} only. Fix: the config.json that belongs to these weights")
+
+
 def _index(path: Path) -> dict[str, Path]:
     """HF tensor name -> its file, from the index (or the single file); every file checked."""
     index_file = path / INDEX
@@ -253,6 +293,9 @@ def _index(path: Path) -> dict[str, Path]:
             weight_map = read_regular_json(index_file, "the safetensors index")["weight_map"]
         except (KeyError, TypeError) as error:
             raise HFFormatError(f"{index_file} is not a safetensors index (no weight_map: {error})") from None
+        if not isinstance(weight_map, dict):  # matrix 3, F13: a list was a raw AttributeError
+            raise HFFormatError(f"{index_file} is not a safetensors index (weight_map is a {type(weight_map).__name__}, "
+                                "not an object of tensor name -> file). Fix: the index that belongs to these shards")
         outside = sorted({str(file) for file in weight_map.values()
                           if not isinstance(file, str) or not is_file_name(file)})
         if outside:
@@ -270,8 +313,12 @@ def _index(path: Path) -> dict[str, Path]:
         return files
     single = path / SINGLE
     if single.exists():
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        check_regular(single, "the model's weights")
+        try:
+            with safe_open(str(single), framework="pt") as handle:
+                return {name: single for name in handle.keys()}
+        except (SafetensorError, OSError) as error:  # matrix 3, F8: a lying header was a raw traceback
+            raise HFFormatError(f"{single} is not a readable safetensors file ({error})") from None
     raise HFFormatError(f"{path} has neither {INDEX} nor {SINGLE}. Fix: save the model with safetensors "
                         "(transformers' save_pretrained does by default)")
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.models.llama.hf_names import WeightSource
 
 
@@ -77,8 +78,14 @@ class HFSafetensorsReader(StorageReader):
         handles: dict[Path, object] = {}
         try:
             for item in plan.items:
-                region = self._region(handles, self.sources[item.storage_index.fqn],
-                                      list(item.storage_offsets), list(item.lengths))
+                source = self.sources[item.storage_index.fqn]
+                region = self._region(handles, source, list(item.storage_offsets), list(item.lengths))
+                if region.is_floating_point() and not bool(torch.isfinite(region).all()):
+                    # matrix 3, F16: NaN weights were served, converted and trained with exit 0
+                    bad = int((~torch.isfinite(region)).sum())
+                    raise HFFormatError(f"{self.files[source.names[0]]}: {source.names[0]} holds {bad} non-finite "
+                                        "values (NaN or infinity): the checkpoint is damaged and would compute NaN. "
+                                        "Fix: the model's intact weights")
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(region)
                 planner.commit_tensor(item, target)

@@ -12,8 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from dtmega.safe_files import (UnsafeFileError, create_exclusive, read_regular_bytes, read_regular_json,
-                               replace_from_temporary)
+from dtmega.safe_files import UnsafeFileError, create_exclusive, read_regular_bytes, read_regular_json, replace_from_temporary
 from tests.hf_models import save_tiny_llama31
 
 

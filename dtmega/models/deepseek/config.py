@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.models.config_checks import number_problems
 from dtmega.models.moe_config import MoEConfig
 
 
@@ -85,6 +86,11 @@ class DeepSeekConfig:
             problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates channel pairs)")
         if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
             problems.append("mtp_num_layers and mtp_loss_scaling_factor must be >= 0")
+        problems += number_problems(self, positive=("rope_theta", "norm_eps"), non_negative=("init_std",))
+        if self.yarn is not None:
+            problems += [f"yarn.{line}" for line in number_problems(
+                self.yarn, positive=("original_max_seq_len", "beta_fast", "beta_slow"), at_least_one=("factor",),
+                non_negative=("mscale", "mscale_all_dim"))]
         if problems:
             raise DtmegaError("invalid DeepSeekConfig: " + "; ".join(problems))
 

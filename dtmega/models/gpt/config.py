@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.models.config_checks import number_problems
 from dtmega.models.moe_config import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -82,6 +83,7 @@ class GPTConfig:
             problems.append(f"rotary_percent={self.rotary_percent} must be in (0, 1] and rotate an even, positive "
                             f"number of each head's {self.head_dim} channels (int(head_dim x rotary_percent) = "
                             f"{int(self.head_dim * self.rotary_percent)})")
+        problems += number_problems(self, positive=("rope_theta", "norm_eps"), non_negative=("init_std",))
         if problems:
             raise DtmegaError("invalid GPTConfig: " + "; ".join(problems))
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dtmega.kernels.errors import DtmegaError
+from dtmega.models.config_checks import number_problems
 from dtmega.models.moe_config import MoEConfig
 
 
@@ -57,6 +58,11 @@ class LlamaConfig:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        problems += number_problems(self, positive=("rope_theta", "norm_eps"), non_negative=("init_std",))
+        if self.rope_scaling is not None:
+            problems += [f"rope_scaling.{line}" for line in number_problems(
+                self.rope_scaling, positive=("low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+                at_least_one=("factor",))]
         if problems:
             raise DtmegaError("invalid LlamaConfig: " + "; ".join(problems))
 

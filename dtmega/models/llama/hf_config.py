@@ -75,8 +75,15 @@ def decoder_config_from_hf(config: dict, source: str = "config.json") -> LlamaCo
         raise _unsupported(source, "sliding_window", config["sliding_window"],
                            "dtmega's attention is full causal. Fix: a config with sliding_window null")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int):
+        if not isinstance(config.get(field), int) or isinstance(config.get(field), bool):
             raise HFFormatError(f"{source}: {field} is missing or not an integer ({config.get(field)!r})")
+        if config[field] <= 0:
+            raise HFFormatError(f"{source}: {field} must be positive, got {config[field]}")
+    for field in ("rms_norm_eps", "initializer_range", "rope_theta", "max_position_embeddings", "head_dim",
+                  "num_key_value_heads"):
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise HFFormatError(f"{source}: {field} = {value!r} is not a number. Fix: the model's own config.json")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     theta, scaling = _rope(config, source)

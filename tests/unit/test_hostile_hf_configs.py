@@ -69,7 +69,8 @@ def test_a_llama_config_that_lies_is_one_line_before_any_model(tmp_path, capsys,
 
 @pytest.mark.parametrize("fields, message", [
     ({"rope_scaling": {"type": "yarn", "factor": 0, "original_max_position_embeddings": 64, "beta_fast": 32,
-                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}, r"yarn.factor must be a finite number of at least 1"),
+                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+     r"yarn.factor must be a finite number of at least 1"),
     ({"kv_lora_rank": ...}, r"kv_lora_rank is missing"),  # F19
     ({"q_lora_rank": "abc"}, r"a field is of the wrong type or out of range"),  # F19
 ])

@@ -44,6 +44,10 @@ class DatasetTooSmallError(DtmegaError):
     """The data cannot provide a single sample of the requested length."""
 
 
+class SampleIndexTooLargeError(DtmegaError):
+    """The samples a run asks for need an index larger than the machine's memory can hold."""
+
+
 def split_bounds(split: list[float], num_sequences: int) -> list[tuple[int, int] | None]:
     """Sequence ranges [lo, hi) of train/valid/test for split weights such as [969, 30, 1], as
     Megatron's split matrix gives them (cumulative shares, each end rounded; a split of weight 0
@@ -142,7 +146,36 @@ def split_size(data: IndexedDataset, spec: GPTDatasetSpec) -> SplitSize:
             "Fix: use more data, a shorter --seq-length, or a --split that gives this split more"
         )
     epochs = epochs_for(tokens_per_epoch, spec.num_samples, spec.seq_length)
-    return SplitSize(tokens_per_epoch, epochs, samples_in(epochs, tokens_per_epoch, spec.seq_length))
+    size = SplitSize(tokens_per_epoch, epochs, samples_in(epochs, tokens_per_epoch, spec.seq_length))
+    _check_index_fits(spec, size, hi - lo)
+    return size
+
+
+INDEX_BYTES_PER_SEQUENCE = 4 + 8 + 8  # the document order (int32), its starts (int64), their int64 temporary
+INDEX_BYTES_PER_SAMPLE = 8  # the shuffle (at most int64)
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory (what a sample index must fit in while it is built)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _check_index_fits(spec: GPTDatasetSpec, size: SplitSize, sequences: int) -> None:
+    """Refuses a split whose sample index would not fit in half the machine's memory, from the
+    sizes alone, before anything is built: `--train-iters 10^12` grew the index until memory ran
+    out (matrix 3, A4)."""
+    needed = size.epochs * sequences * INDEX_BYTES_PER_SEQUENCE + size.samples * INDEX_BYTES_PER_SAMPLE
+    budget = _memory_bytes() // 2
+    if needed > budget:
+        raise SampleIndexTooLargeError(
+            f"the {spec.split_name} split of {spec.prefix} is asked for {spec.num_samples:,} samples: "
+            f"{size.epochs:,} epochs of its {sequences:,} documents, whose sample index takes "
+            f"{needed / 2**30:,.1f} GiB, more than half this machine's {budget * 2 / 2**30:,.0f} GiB of memory. "
+            "Fix: fewer --train-iters (or --train-samples), a larger --eval-interval or fewer --eval-iters, "
+            "or more data")
 
 
 def _document_index(sequences: np.ndarray, epochs: int, rng: np.random.RandomState, separate_final: bool) -> np.ndarray:

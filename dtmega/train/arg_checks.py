@@ -65,6 +65,9 @@ def check_toml_types(values: dict[str, Any], kinds: dict[str, type], source: str
     return checked
 
 
+INT64_MAX = (1 << 63) - 1
+
+
 def check_ranges(args: Any) -> None:
     """Refuses zero or negative sizes and counts, negative rates and non-finite reals, naming
     the flag (the same on every rank: it reads the arguments only). Each section of the
@@ -73,6 +76,10 @@ def check_ranges(args: Any) -> None:
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise OptionValueError(f"{flag_of(f.name)} {value}: must be a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+            # matrix 3, A4: a TOML integer past int64 reached numpy and ran until memory was gone
+            raise OptionValueError(f"{flag_of(f.name)} {value}: beyond the largest whole number dtmega takes "
+                                   f"({INT64_MAX}). Fix: a realistic value")
     sections = [cls for cls in type(args).__mro__ if cls is not object]
     for group, bound, words in (("at_least_one", 1, "at least 1"), ("at_least_zero", 0, "0 or more"),
                                 ("positive", None, "greater than 0")):

@@ -139,3 +139,17 @@ def test_eod_loss_mask_and_position_reset():
     assert fields["labels"].tolist() == [[6, EOD, 7, 8, EOD, 9]]
     assert fields["loss_mask"].tolist() == [[1, 1, 0, 1, 1, 0]]
     assert fields["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2]]
+
+
+def test_a_sample_index_past_memory_is_refused_before_it_is_built(tmp_path):
+    """Matrix 3, A4: `--train-iters 10^12` grew the index until memory ran out (7.9 GB, then a raw
+    MemoryError). Now the size is computed from the counts and refused with it, nothing built."""
+    from dtmega.data.gpt_dataset import SampleIndexTooLargeError
+
+    corpus(tmp_path / "c")
+    data = IndexedDataset(tmp_path / "c")
+    with pytest.raises(SampleIndexTooLargeError, match=r"asked for 1,000,000,000,000 samples: .* epochs of its 50 "
+                                                        r"documents, whose sample index takes [\d,.]+ GiB"):
+        GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 16, 10**12, seed=0))
+    assert not list(tmp_path.rglob("*.dtmega-index*"))
+    GPTDataset(data, GPTDatasetSpec(str(tmp_path / "c"), "train", (0, 50), 16, 1000, seed=0))  # a real size builds

@@ -298,6 +298,8 @@ def test_toml_numbers_for_text_options_read_as_the_command_line_would(tmp_path):
     ("--lr nan", r"--lr nan: must be a finite number"),
     ("--distributed-timeout-minutes 0", r"--distributed-timeout-minutes 0.0: must be greater than 0"),
     ("--straggler-minmax-count 0", r"--straggler-minmax-count 0: must be at least 1"),
+    # matrix 3, A4: past int64 reached numpy's index builder
+    ("--train-iters 99999999999999999999", r"--train-iters 99999999999999999999: beyond the largest whole number"),
 ])
 def test_sizes_and_counts_that_mean_nothing_are_refused_by_flag(flags, message):
     """Before: a zero micro- and global batch silently became 1 and 2, --train-iters 0 was
@@ -393,3 +395,10 @@ def test_recompute_activations_is_selective_recompute():
     with pytest.raises(ArgumentError, match="--recompute-activations \\(selective\\) and --recompute-granularity full"):
         args = parse_train_args(["--recompute-activations", "--recompute-granularity", "full"])[0]
         build_plan(args, run_shape(args, 4), 2)
+
+
+def test_a_toml_integer_past_int64_is_refused_by_key(tmp_path):
+    """Matrix 3, A4: `train_iters = 99999999999999999999` in a TOML file ran until killed."""
+    (tmp_path / "big.toml").write_text("train_iters = 99999999999999999999\n")
+    with pytest.raises(ArgumentError, match=r"--train-iters 99999999999999999999: beyond the largest whole number"):
+        parse_train_args(["--config", str(tmp_path / "big.toml"), "--lr", "1e-3"])

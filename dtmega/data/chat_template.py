@@ -16,6 +16,8 @@ tokenizer's special tokens, so the prompt text is the one transformers would bui
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -118,14 +120,36 @@ class ChatTemplate:
                                     "template") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opening."""
+        """The prompt text for `messages`, ending with the assistant's turn opening. A render is
+        bounded (matrix 3, C1/C2: nested loops or `10**(10**10)` hung preprocess and the server):
+        at most RENDER_SECONDS of template code, powers and repetitions of bounded size, and at
+        most RENDER_CHARS of output; past any, a ChatTemplateError naming the template."""
+        compiled = self._compiled()
+        deadline = time.monotonic() + RENDER_SECONDS
+        previous = sys.gettrace()
+
+        def budget(frame, event, arg):  # called on the template code's lines: a loop cannot outrun it
+            if time.monotonic() > deadline:
+                raise _RenderBudget(f"did not finish rendering within {RENDER_SECONDS:g} s")
+            return budget
+
+        sys.settrace(budget)
         try:
-            return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **self.special_tokens)
+            text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except _RenderBudget as error:
+            raise ChatTemplateError(f"the chat template of {self.source} {error}. Fix: a template without unbounded "
+                                    "loops or arithmetic (the model's own tokenizer_config.json)") from None
         except ChatTemplateError:
             raise
         except Exception as error:  # the template's raise_exception, undefined variables, ...
             raise ChatTemplateError(f"the chat template cannot render these messages: {error}") from None
+        finally:
+            sys.settrace(previous)
+        if len(text) > RENDER_CHARS:
+            raise ChatTemplateError(f"the chat template of {self.source} rendered {len(text):,} characters, more than "
+                                    f"the {RENDER_CHARS:,} a prompt may hold. Fix: shorter messages, or the model's own "
+                                    "template")
+        return text
 
 
 def _raise_exception(message: str):
@@ -140,11 +164,38 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 64 << 20  # characters of one rendered prompt
+MAX_OPERAND_BITS = 1 << 16  # a power's or repetition's result: at most this many bits or items
+
+
+class _RenderBudget(Exception):
+    """A render past its budget (caught by `ChatTemplate.render`)."""
+
+
+def _bounded_binop(env, context, operator: str, left, right):
+    """`**` and `*` of the template's code with their results bounded before they are computed
+    (a single `10**(10**10)` runs in C, out of the time budget's reach)."""
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+            and max(1, abs(left).bit_length()) * right > MAX_OPERAND_BITS:
+        raise _RenderBudget(f"computes {left}**{right}, a number of more than {MAX_OPERAND_BITS} bits")
+    if operator == "*" and isinstance(right, int) and hasattr(left, "__len__") and len(left) * right > RENDER_CHARS \
+            or operator == "*" and isinstance(left, int) and hasattr(right, "__len__") and len(right) * left > RENDER_CHARS:
+        raise _RenderBudget(f"repeats a sequence to more than {RENDER_CHARS:,} items")
+    return env.binop_table[operator](left, right)
+
+
 def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(("**", "*"))
+
+        def call_binop(self, context, operator, left, right):
+            return _bounded_binop(self, context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -32,18 +32,20 @@ class Decoder(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None, last_only: bool = False,
     ) -> torch.Tensor:
         """Logits [B, S, vocab] for token ids [B, S]. position_ids [B, S] default to 0..S-1 (after
         the cached positions when decoding with a `cache`). `document_ids` [B, S] (packed
         documents: equal ids = one document) make attention causal within each document only,
-        and positions restart per document unless `position_ids` say otherwise.
+        and positions restart per document unless `position_ids` say otherwise. `last_only`:
+        logits [B, 1, vocab] of the last position only (a prefill that needs no prompt logits:
+        S x vocab logits would be computed to be thrown away).
 
         A pipeline stage is this model with some pieces set to None: without an embedding it
         takes hidden states [B, S, D]; without norm and output it returns hidden states.
         """
         h, _, _ = self.trunk(tokens, position_ids, cache, document_ids)
-        return self.head(h)
+        return self.head(h[:, -1:] if last_only else h)
 
     def trunk(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
               document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:

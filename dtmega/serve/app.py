@@ -31,6 +31,13 @@ from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
 from dtmega.serve.megatron_api import RequestError
 
 POLL_S = 0.05
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyTimeoutError(RequestError):
+    """The body did not arrive in time: answered 408 and the connection closed."""
+
+    status = 408
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,13 @@ class ServeLimits:
 
     max_request_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
+
+    @property
+    def body_timeout_s(self) -> float:
+        """Seconds a request's body may take to arrive: --request-timeout, at most 30 (a body that
+        never finishes held its connection forever and 1,010 of them exhausted the server's
+        descriptors: matrix 3, H20)."""
+        return min(self.request_timeout_s, BODY_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -75,22 +89,57 @@ class _Gone(Exception):
     """The client disconnected or the request timed out; its sequences were cancelled."""
 
 
-async def _read_json(request: Request, limit: int):
+async def _read_json(request: Request, limits: ServeLimits):
+    """The request's JSON body: at most `max_request_bytes`, arriving within `body_timeout_s`
+    (408 otherwise), parsed with nesting, huge integers and lone surrogates refused as 400s
+    naming the problem (matrix 3, H4-H6: raw 500s before)."""
+    limit = limits.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"the request body of {int(declared)} bytes exceeds the server's limit of {limit} bytes. "
                            "Fix: fewer or shorter prompts, or start the server with a larger --max-request-bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestError(f"the request body exceeds the server's limit of {limit} bytes. Fix: fewer or "
-                               "shorter prompts, or start the server with a larger --max-request-bytes")
+
+    async def read() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError(f"the request body exceeds the server's limit of {limit} bytes. Fix: fewer or "
+                                   "shorter prompts, or start the server with a larger --max-request-bytes")
+        return body
+
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not JSON ({error}). Fix: send a JSON object, e.g. "
+        body = await asyncio.wait_for(read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeoutError(f"the request body did not arrive within {limits.body_timeout_s:g} s. Fix: send the "
+                               "whole body at once") from None
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise RequestError(f"the request body is not JSON ({reason}). Fix: send a JSON object, e.g. "
                            "-d '{\"prompts\": [\"Hello\"]}'") from None
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value) -> None:
+    """Refuses a lone surrogate (\\ud800 without its pair) anywhere in the body, naming where:
+    such text cannot be encoded, and the tokenizer's UnicodeEncodeError was a 500."""
+    stack, path = [(value, "body")], None
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise RequestError(f"{path} holds the lone surrogate {item[error.start]!r} at character {error.start}, "
+                                   "which is not text. Fix: valid UTF-8 (a surrogate pair, or the character itself)") \
+                    from None
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path != "body" else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
 
 
 async def _run(engine: Engine, sequences: list[SequenceRequest], request: Request, timeout: float) -> list[SequenceResult]:
@@ -155,15 +204,15 @@ async def _stream(engine: Engine, parsed: openai_api.CompletionRequest, sequence
             if (opening := shape.opening(sequence.id - first)) is not None:
                 yield _event(opening)
         while len(results) < len(sequences):
+            if loop.time() > deadline:  # checked per event too: a busy stream never waits out POLL_S (H2)
+                yield _event({"error": {"message": f"the request did not finish within the server's "
+                                        f"--request-timeout of {timeout:g} s", "type": "timeout", "param": None,
+                                        "code": None}})
+                return
             try:
                 kind, sid, payload = await asyncio.wait_for(events.get(), POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    return
-                if loop.time() > deadline:
-                    yield _event({"error": {"message": f"the request did not finish within the server's "
-                                            f"--request-timeout of {timeout:g} s", "type": "timeout", "param": None,
-                                            "code": None}})
                     return
                 continue
             if kind == "token":
@@ -254,10 +303,11 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """Megatron's text generation request (prompts, tokens_to_generate, temperature, top_k,
         top_p, logprobs, random_seed, add_BOS, stop_token)."""
         try:
-            body = await _read_json(request, limits.max_request_bytes)
-            parsed = megatron_api.parse_api_request(body, tokenizer=model.tokenizer, context=model.context)
+            body = await _read_json(request, limits)
+            parsed = await asyncio.to_thread(megatron_api.parse_api_request, body, tokenizer=model.tokenizer,
+                                             context=model.context)
         except RequestError as error:
-            return JSONResponse({"message": str(error)}, status_code=400)
+            return JSONResponse({"message": str(error)}, status_code=getattr(error, "status", 400))
         sequences = megatron_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids)))
         try:
             results = await _run(engine, sequences, request, limits.request_timeout_s)
@@ -272,15 +322,15 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """OpenAI-style completions (prompt, max_tokens, temperature, top_p, stop, logprobs,
         echo, seed, n, stream)."""
         try:
-            body = await _read_json(request, limits.max_request_bytes)
+            body = await _read_json(request, limits)
             if (missing := unknown_model(body, model)) is not None:
                 return missing
-            parsed = openai_api.parse_completion_request(body, tokenizer=model.tokenizer, context=model.context,
-                                                         vocab_size=model.vocab_size, model_name=model.name)
+            parsed = await asyncio.to_thread(openai_api.parse_completion_request, body, tokenizer=model.tokenizer,
+                                             context=model.context, vocab_size=model.vocab_size, model_name=model.name)
         except RequestError as error:
             param = getattr(error, "param", None)
             return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
-                                           "code": None}}, status_code=400)
+                                           "code": None}}, status_code=getattr(error, "status", 400))
         sequences = openai_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids) * parsed.n))
         if parsed.stream:
             return StreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s, model.tokenizer,
@@ -301,14 +351,16 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """OpenAI-style chat completions (messages through the chat template; n, max_tokens or
         max_completion_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs, stream)."""
         try:
-            body = await _read_json(request, limits.max_request_bytes)
+            body = await _read_json(request, limits)
             if (missing := unknown_model(body, model)) is not None:
                 return missing
-            parsed = chat_api.parse_chat_request(body, chat=model.chat_template, tokenizer=model.tokenizer,
-                                                 context=model.context, vocab_size=model.vocab_size,
-                                                 model_name=model.name)
+            # rendering and tokenizing run off the event loop (a template's render is bounded, but
+            # seconds of it must not stall health and the other clients: matrix 3, C2)
+            parsed = await asyncio.to_thread(chat_api.parse_chat_request, body, chat=model.chat_template,
+                                             tokenizer=model.tokenizer, context=model.context,
+                                             vocab_size=model.vocab_size, model_name=model.name)
         except RequestError as error:
-            return _openai_error(str(error), 400, param=getattr(error, "param", None))
+            return _openai_error(str(error), getattr(error, "status", 400), param=getattr(error, "param", None))
         sequences = openai_api.sequence_requests(parsed, next_ids(parsed.n))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if parsed.stream:
@@ -325,8 +377,14 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
 
     @app.get("/v1/health")
     async def health():
-        """Liveness and load of the engine."""
-        return {"status": "ok", "model": model.name, **engine.load()}
+        """Liveness and load of the engine: 503 "stalled" when it has work but has not finished a
+        step within --request-timeout (every request would time out), so a balancer's probe sees
+        a server that can no longer generate (matrix 3, H1: it said ok while nothing ran)."""
+        load = engine.load()
+        stalled = (load["running"] or load["waiting"]) and load["seconds_since_step"] > limits.request_timeout_s
+        if stalled:
+            return JSONResponse({"status": "stalled", "model": model.name, **load}, status_code=503)
+        return {"status": "ok", "model": model.name, **load}
 
     @app.get("/v1/models")
     async def models():

@@ -18,6 +18,7 @@ so waiting ranks never reach the collective timeout.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import deque
@@ -82,7 +83,7 @@ class SequenceResult:
 class _Running:
     request: SequenceRequest
     slot: int
-    generator: torch.Generator
+    generator: torch.Generator | None  # made when the sequence joins
     result: SequenceResult
     next_token: int | None = None  # chosen, not yet fed to the model
 
@@ -104,6 +105,10 @@ class Engine:
         self.model, self.vocab_size, self.decode_text = model, vocab_size, decode_text
         self.device, self.leader = torch.device(device), leader
         self.cache = SlotKVCache(slots, max_len, device=self.device)
+        # a prefill computes the last position's logits only (matrix 3, H22: [B, S, V] logits of a
+        # 4,000-token prompt on a 50,000-word vocabulary were 24.8 GB); a model of its own without
+        # the argument gets its logits sliced
+        self._last_only = "last_only" in inspect.signature(model.forward).parameters
         self.running: dict[int, _Running] = {}
         # rank 0's side: requests waiting for a slot, cancellations, callbacks (guarded by _lock)
         self._lock = threading.Condition()
@@ -116,6 +121,7 @@ class Engine:
         self.steps = 0  # broadcast rounds, idle heartbeats included
         self.forwards = 0  # model forwards (prefills and batched decodes)
         self.generated = 0  # tokens chosen
+        self.last_step = time.monotonic()  # when the last step (or idle heartbeat) ended: health's liveness
 
     @torch.no_grad()
     def reserve(self) -> None:
@@ -161,7 +167,9 @@ class Engine:
         with self._lock:
             return {"running": len(self.running), "waiting": len(self._waiting), "slots": self.cache.slots,
                     "max_model_len": self.cache.max_len, "kv_cache_bytes": self.cache_bytes(),
-                    "forwards": self.forwards, "generated_tokens": self.generated}
+                    "forwards": self.forwards, "generated_tokens": self.generated,
+                    "free_slots": len(self._free_slots),
+                    "seconds_since_step": round(time.monotonic() - self.last_step, 3)}
 
     # ---- every rank ------------------------------------------------------------------------
 
@@ -197,27 +205,42 @@ class Engine:
         for sequence_id in step.cancel:
             self._finish(self.running[sequence_id], "cancelled")
         decoding = [r for r in self.running.values() if r.next_token is not None]
-        try:
-            self._prefill([self._join(slot, request) for slot, request in step.start])
-            self._decode(decoding)
-        except Exception as error:  # noqa: BLE001 - a failed forward ends its sequences, not the server
-            for running in list(self.running.values()):
-                running.result.error = f"{type(error).__name__}: {error}"
-                self._finish(running, "error")
+        joining = []
+        for slot, request in step.start:
+            running = _Running(request, slot, None, SequenceResult(request.id, request.prompt_ids))
+            self.running[request.id] = running
+            self.cache.free(slot)
+            if self._isolated([running], lambda running=running: self._join(running)):
+                joining.append(running)
+        self._prefill(joining)
+        self._isolated(decoding, lambda: self._decode(decoding))
         self.steps += 1
+        self.last_step = time.monotonic()
 
-    def _join(self, slot: int, request: SequenceRequest) -> _Running:
-        self.cache.free(slot)
-        generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
-        running = _Running(request, slot, generator, SequenceResult(request.id, request.prompt_ids))
-        self.running[request.id] = running
-        return running
+    def _isolated(self, rows: list[_Running], work: Callable[[], None]) -> bool:
+        """Runs `work` for `rows`; if it raises, those rows (and only they) end with the error and
+        their slots are freed (matrix 3, H1/H22: one sequence's bad seed or a prefill's failed
+        allocation used to end every running request and leak the slot). True if it ran."""
+        try:
+            work()
+            return True
+        except Exception as error:  # noqa: BLE001 - a failure ends the sequences it concerns, not the server
+            for running in rows:
+                if running.request.id in self.running:
+                    running.result.error = f"{type(error).__name__}: {error}"
+                    self._finish(running, "error")
+            return False
+
+    def _join(self, running: _Running) -> None:
+        """The sequence's own generator (torch takes seeds below 2^64; a larger one is reduced)."""
+        running.generator = torch.Generator(device=self.device).manual_seed(running.request.sampling.seed % (1 << 64))
 
     def _forward(self, rows: list[_Running], tokens: torch.Tensor, all_positions: bool) -> torch.Tensor:
         """Logits [B, S or 1, V] in fp32 for `tokens` [B, S] continuing each row's slot."""
         self.cache.select([r.slot for r in rows], tokens.shape[1])
         self.forwards += 1
-        logits = self.model(tokens, position_ids=self.cache.positions(tokens.shape[1]), cache=self.cache)
+        extra = {"last_only": True} if not all_positions and self._last_only else {}
+        logits = self.model(tokens, position_ids=self.cache.positions(tokens.shape[1]), cache=self.cache, **extra)
         if not all_positions:
             logits = logits[:, -1:]
         if isinstance(logits, DTensor):
@@ -231,21 +254,25 @@ class Engine:
         for running in joining:
             by_length.setdefault(len(running.request.prompt_ids), []).append(running)
         for rows in by_length.values():
-            tokens = torch.tensor([r.request.prompt_ids for r in rows], device=self.device)
-            wants_prompt = any(r.request.sampling.prompt_logprobs for r in rows)
-            logits = self._forward(rows, tokens, all_positions=wants_prompt)
-            for i, running in enumerate(rows):
-                sampling = running.request.sampling
-                if sampling.prompt_logprobs:
-                    log_probs = logits[i, :-1].log_softmax(-1)
-                    targets = tokens[i, 1:, None]
-                    running.result.prompt_logprobs = log_probs.gather(-1, targets).squeeze(-1).tolist()
-                    if sampling.top_logprobs:
-                        running.result.prompt_top_logprobs = [_top(row, sampling.top_logprobs) for row in log_probs]
-                if sampling.max_new_tokens == 0:
-                    self._finish(running, "length")
-                    continue
-                self._choose(running, logits[i, -1])
+            self._isolated(rows, lambda rows=rows: self._prefill_group(rows))
+
+    def _prefill_group(self, rows: list[_Running]) -> None:
+        """One forward over prompts of one length, then each row's first token."""
+        tokens = torch.tensor([r.request.prompt_ids for r in rows], device=self.device)
+        wants_prompt = any(r.request.sampling.prompt_logprobs for r in rows)
+        logits = self._forward(rows, tokens, all_positions=wants_prompt)
+        for i, running in enumerate(rows):
+            sampling = running.request.sampling
+            if sampling.prompt_logprobs:
+                log_probs = logits[i, :-1].log_softmax(-1)
+                targets = tokens[i, 1:, None]
+                running.result.prompt_logprobs = log_probs.gather(-1, targets).squeeze(-1).tolist()
+                if sampling.top_logprobs:
+                    running.result.prompt_top_logprobs = [_top(row, sampling.top_logprobs) for row in log_probs]
+            if sampling.max_new_tokens == 0:
+                self._finish(running, "length")
+                continue
+            self._isolated([running], lambda i=i, running=running: self._choose(running, logits[i, -1]))
 
     def _decode(self, rows: list[_Running]) -> None:
         rows = [r for r in rows if r.request.id in self.running]
@@ -254,7 +281,7 @@ class Engine:
         tokens = torch.tensor([[r.next_token] for r in rows], device=self.device)
         logits = self._forward(rows, tokens, all_positions=False)
         for i, running in enumerate(rows):
-            self._choose(running, logits[i, -1])
+            self._isolated([running], lambda i=i, running=running: self._choose(running, logits[i, -1]))
 
     def _choose(self, running: _Running, logits: torch.Tensor) -> None:
         """Chooses the next token from last-position logits [V]; ends the sequence if it stops."""

@@ -25,6 +25,9 @@ UNSUPPORTED = {"beam_width": None, "top_p_decay": 0.0, "top_p_bound": 0.0, "stop
                "stop_on_eol": False, "prevent_newline_after_colon": False, "length_penalty": 1}
 
 
+MAX_SEED = (1 << 63) - 1  # prompt i draws from random_seed + i, which stays below torch's 2^64
+
+
 class RequestError(DtmegaError):
     """A request the server answers with HTTP 400 and this message."""
 
@@ -103,6 +106,8 @@ def parse_api_request(body: Any, *, tokenizer, context: int) -> ApiRequest:
         raise RequestError("random_seed must be integer")
     if "random_seed" in body and random_seed < 0:
         raise RequestError("random_seed must be a positive integer")
+    if random_seed > MAX_SEED:  # matrix 3, H1: 2^70 overflowed the engine's generator
+        raise RequestError(f"random_seed must be at most {MAX_SEED} (2^63 - 1)")
     stop_token = body.get("stop_token", tokenizer.eod)
     if not _is_int(stop_token):
         raise RequestError("stop_token must be an integer")

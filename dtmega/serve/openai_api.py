@@ -78,6 +78,10 @@ class SamplingFields:
     include_usage: bool
 
 
+MAX_SEED = (1 << 63) - 1  # OpenAI's seed is an int64; a sequence draws from seed + its index (below 2^64)
+MAX_STOP_CHARS = 1000  # per stop string: a stop is a few words, and each is searched after every token
+
+
 def sampling_fields(body: dict, max_temperature: float) -> SamplingFields:
     """temperature (0 to `max_temperature`), top_p, stop, seed, stream and stream_options;
     `CompletionError` naming the field."""
@@ -91,9 +95,11 @@ def sampling_fields(body: dict, max_temperature: float) -> SamplingFields:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise CompletionError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):  # matrix 3, H2: 250,000-character stops stalled the server
+        raise CompletionError(f"each stop string may hold at most {MAX_STOP_CHARS} characters", "stop")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise CompletionError("seed must be an integer >= 0", "seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise CompletionError(f"seed must be an integer from 0 to {MAX_SEED} (2^63 - 1)", "seed")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise CompletionError("stream must be true or false", "stream")
@@ -211,8 +217,32 @@ def stream_safe_text(text: str, stops: tuple[str, ...], finished: bool) -> str:
     if finished:
         return text
     text = text.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    hold = max((_held_back(text, s) for s in stops), default=0)
     return text[:len(text) - hold]
+
+
+def _held_back(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text` ends with, in one pass over
+    `stop` and the last len(stop) - 1 characters (Knuth-Morris-Pratt's failure function; trying
+    every prefix with `endswith` was quadratic in the stop's length after every token)."""
+    tail = text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else ""
+    if not tail:
+        return 0
+    failure = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = failure[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        failure[i] = k
+    k = 0
+    for char in tail:
+        while k and (k == len(stop) or char != stop[k]):
+            k = failure[k - 1]
+        if char == stop[k]:
+            k += 1
+    return min(k, len(stop) - 1)
 
 
 def completion_chunk(request: CompletionRequest, request_id: str, created: int, index: int, text: str,

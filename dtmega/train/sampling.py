@@ -47,13 +47,22 @@ def choose_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
         top2 = torch.topk(logits, min(2, logits.shape[-1])).values
         gap = top2[:, 0] - top2[:, 1] if top2.shape[-1] > 1 else torch.full_like(top2[:, 0], float("inf"))
         return Choice(logits.argmax(dim=-1), gap)
-    probs = filter_logits(logits / temperature, top_k=top_k, top_p=top_p).softmax(-1)
+    scaled = logits / temperature
+    probs = filter_logits(scaled, top_k=top_k, top_p=top_p).softmax(-1)
     cdf = probs.cumsum(-1)
     draw = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, draw, right=True).clamp(max=logits.shape[-1] - 1)
     upper = cdf.gather(-1, ids)
     lower = torch.where(ids > 0, cdf.gather(-1, (ids - 1).clamp(min=0)), torch.zeros_like(upper))
     margins = torch.minimum(draw - lower, upper - draw)
+    # A temperature so small that logits / temperature overflow (1e-300) made the softmax NaN and
+    # the search land on the vocabulary's padding rows (matrix 3, H13). Its limit is greedy: such
+    # rows take the argmax, which never picks a row masked to -inf.
+    limit = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(-1) | ~torch.isfinite(cdf[:, -1])
+    if bool(limit.any()):
+        greedy = choose_next(logits, temperature=0.0, top_k=0, top_p=1.0, generator=None)
+        return Choice(torch.where(limit, greedy.ids, ids.squeeze(-1)),
+                      torch.where(limit, greedy.margins, margins.squeeze(-1)))
     return Choice(ids.squeeze(-1), margins.squeeze(-1))
 
 

@@ -154,3 +154,58 @@ def test_a_template_that_cannot_be_used_is_refused_at_start_up(tiny_checkpoint, 
     assert main(["serve", "--load", str(tiny_checkpoint), "--chat-template", tokenizer_dir(tmp_path / "t", None)]) == 2
     err = capsys.readouterr().err
     assert "holds no chat template" in err and "Fix:" in err
+
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, message", [
+    (LOOP, r"did not finish rendering within 1 s"),
+    ("{{ 10**(10**10) }}", r"computes 10\*\*10000000000, a number of more than 65536 bits"),
+    ("{{ 'ab' * 10**9 }}", r"repeats a sequence to more than"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", r"did not finish rendering|rendered [\d,]+ characters"),
+])
+def test_a_render_is_bounded_in_time_arithmetic_and_size(monkeypatch, template, message):
+    """Matrix 3, C1: `preprocess --chat` with nested loops (or `10**(10**10)`) hung until killed;
+    Jinja's sandbox bounds one range, not nesting nor arithmetic. Every render is now bounded
+    (10 s by default; 1 s here) and refused naming the template."""
+    import time
+
+    import dtmega.data.chat_template as module
+
+    monkeypatch.setattr(module, "RENDER_SECONDS", 1.0)
+    monkeypatch.setattr(module, "RENDER_CHARS", 1 << 20)
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=rf"the chat template of loop.jinja .*{message}|{message}"):
+        ChatTemplate(template, "loop.jinja").render(SHORT)
+    assert time.monotonic() - started < 5
+    assert ChatTemplate(CHATML, "chatml", {"eos_token": "<e>"}).render(SHORT).endswith("assistant\n")  # untouched
+
+
+def test_a_template_that_never_ends_does_not_stop_the_server(tiny_checkpoint, tmp_path):
+    """Matrix 3, C2: the render ran on the event loop: health, every client, --request-timeout and
+    SIGTERM stopped working (SIGKILL needed). Now it renders off the loop within its budget: 400
+    naming the template, health answered in well under a second meanwhile, SIGTERM ends it."""
+    import threading
+    import time
+
+    (tmp_path / "loop.jinja").write_text(LOOP)
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--chat-template", str(tmp_path / "loop.jinja")])
+    try:
+        answer: dict = {}
+        client = threading.Thread(target=lambda: answer.update(reply=process.request(
+            "POST", "/v1/chat/completions", {"messages": SHORT, "max_tokens": 2}, timeout=60)))
+        started = time.monotonic()
+        client.start()
+        time.sleep(1.0)
+        for _ in range(3):
+            asked = time.monotonic()
+            assert process.health()["status"] == "ok" and time.monotonic() - asked < 2.0  # not blocked by the render
+            status, body = process.request("POST", "/v1/completions", {"prompt": "In", "max_tokens": 1})
+            assert status == 200, body
+        client.join(60)
+        status, body = answer["reply"]
+        assert status == 400 and "did not finish rendering within 10 s" in body["error"]["message"], body
+        assert time.monotonic() - started < 30
+    finally:
+        assert process.stop() == 0, "".join(process.lines)[-3000:]

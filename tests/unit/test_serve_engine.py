@@ -151,3 +151,45 @@ def test_stop_token_stop_strings_queueing_and_cancellation_free_their_slots():
         assert engine.load()["running"] == 0 and sorted(engine._free_slots) == [0, 1]
     finally:
         stop(engine, thread)
+
+
+def test_one_sequences_failure_ends_that_sequence_only_and_frees_its_slot():
+    """Matrix 3, H1/H22: an exception while one sequence joined or prefilled (an overflowing seed,
+    a failed allocation) ended every running request with 500 and leaked the sequence's slot;
+    33 of them and the server never generated again. Now the failing sequence alone ends with
+    the error, the others finish as if alone, and every slot comes back."""
+    model = small_llama()
+    engine, thread = run_engine(model, slots=4)
+    try:
+        good = [SequenceRequest(i, p, Sampling(max_new_tokens=6, temperature=0.0)) for i, p in enumerate(prompts([5, 7]))]
+        too_long = SequenceRequest(9, prompts([70])[0], Sampling(max_new_tokens=2))  # past the 64-position slots
+        huge_seed = SequenceRequest(10, prompts([4])[0], Sampling(max_new_tokens=3, seed=2**70))
+        results = wait_all(engine, [*good, too_long, huge_seed], timeout=120)
+        assert results[2].finish_reason == "error" and "70 were asked for" in results[2].error
+        assert results[3].finish_reason == "length" and len(results[3].ids) == 3  # reduced modulo 2^64, as torch takes
+        for request, result in zip(good, results[:2]):
+            alone = generate_tokens(model, request.prompt_ids, vocab_size=VOCAB, eod=None, max_new_tokens=6,
+                                    temperature=0.0)
+            assert result.finish_reason == "length"
+            assert_same_tokens(result, alone)
+        assert engine.load()["free_slots"] == 4 and engine.load()["running"] == 0
+    finally:
+        stop(engine, thread)
+
+
+def test_a_prefill_computes_the_last_positions_logits_only():
+    """Matrix 3, H22: [B, S, V] logits were computed for every prompt position and sliced after
+    (24.8 GB for 32 x 4,000 positions of a 50,000-word vocabulary). Without prompt logprobs, the
+    output layer now sees one position per row; with them, every position."""
+    model = small_llama()
+    seen: list[tuple[int, ...]] = []
+    model.output.register_forward_hook(lambda module, inputs, output: seen.append(tuple(output.shape)))
+    engine, thread = run_engine(model, slots=2)
+    try:
+        wait_all(engine, [SequenceRequest(0, prompts([9])[0], Sampling(max_new_tokens=1, temperature=0.0))])
+        assert seen[0] == (1, 1, VOCAB)
+        seen.clear()
+        wait_all(engine, [SequenceRequest(1, prompts([9])[0], Sampling(max_new_tokens=1, prompt_logprobs=True))])
+        assert seen[0] == (1, 9, VOCAB)
+    finally:
+        stop(engine, thread)

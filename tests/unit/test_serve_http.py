@@ -114,6 +114,10 @@ BAD_REQUESTS = [
     ({"prompts": ["x"], "tokens_to_generate": True}, "tokens_to_generate must be an integer greater than 0"),
     ({"prompts": ["x"], "top_k": 1e9}, "top_k must be an integer equal to or greater than 0"),
     ({"prompts": ["x"], "random_seed": 1e300}, "random_seed must be integer"),
+    # matrix 3: H1 (a seed past int64 failed other clients' requests), H4 (nesting: a raw 500), H6 (a lone surrogate)
+    ({"prompts": ["x"], "random_seed": 2**70}, "random_seed must be at most 9223372036854775807"),
+    (b"[" * 4000, "the request body is not JSON (nested too deeply)"),
+    (b'{"prompts": ["a\\ud800b"]}', "prompts[0] holds the lone surrogate"),
 ]
 
 
@@ -127,7 +131,8 @@ def test_bad_requests_get_400_with_megatrons_message_and_the_server_still_answer
 
 
 @pytest.mark.parametrize("field, value", [("n", 1000), ("logprobs", 1_000_000), ("stop", ["a", "b", "c", "d", "e", "f"]),
-                                          ("seed", 1e300), ("max_tokens", 4.5)])
+                                          ("seed", 1e300), ("max_tokens", 4.5),
+                                          ("seed", 2**64), ("stop", ["y" * 1001])])  # matrix 3, H1 and H2
 def test_openai_values_that_mean_nothing_get_400_naming_the_field(server, field, value):
     """Matrix-2 N36, OpenAI's side: each refused with its own message, `param` naming the field."""
     status, error = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
@@ -354,3 +359,49 @@ def test_serve_argument_errors_exit_2_before_loading(tiny_checkpoint, capsys):
                 torch.distributed.destroy_process_group()
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "loading" not in err  # before the checkpoint is read
+
+
+def test_a_temperature_too_small_for_fp32_is_greedy_and_never_a_padding_id(server, model):
+    """Matrix 3, H13: temperature 1e-300 overflowed logits / temperature, and the NaN softmax made
+    the draw land on the vocabulary's padding rows (id 383 of 258 real ones), answered 200. Its
+    limit is greedy: the same tokens as top_k 1, all real ids, finite log-probabilities."""
+    _, tokenizer = model
+    body = {"prompts": [PROMPT], "tokens_to_generate": 8, "stop_token": -1, "logprobs": True}
+    status, tiny = server.api({**body, "temperature": 1e-300})
+    assert status == 200, tiny
+    status, greedy = server.api({**body, "top_k": 1})
+    assert tiny["tokens"] == greedy["tokens"] and max(tiny["tokens"][0]) < tokenizer.vocab_size
+    assert all(value == value and abs(value) != float("inf") for value in tiny["logprobs"][0])
+
+
+def _read_until_closed(connection: socket.socket) -> bytes:
+    data = b""
+    while chunk := connection.recv(4096):
+        data += chunk
+    return data
+
+
+def test_a_body_that_never_finishes_is_answered_408_and_let_go(tiny_checkpoint):
+    """Matrix 3, H20: a body announced longer than it is was held forever (no read deadline), and
+    enough of them exhausted the server's descriptors. Now the body must arrive within
+    --request-timeout (at most 30 s): 408, the connection closed, health answering meanwhile."""
+    import time
+
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "2"])
+    try:
+        host, port = process.url.removeprefix("http://").split(":")
+        held = []
+        for _ in range(20):
+            connection = socket.create_connection((host, int(port)), timeout=10)
+            connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"pro")
+            held.append(connection)
+        started = time.monotonic()
+        assert process.health()["status"] == "ok" and time.monotonic() - started < 1.0
+        answers = [_read_until_closed(connection) for connection in held]  # the server closes each
+        assert all(answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in answer for answer in answers)
+        assert time.monotonic() - started < 10
+        for connection in held:
+            connection.close()
+    finally:
+        assert process.stop() == 0, "".join(process.lines)[-3000:]

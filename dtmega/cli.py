@@ -32,6 +32,19 @@ traceback behind an error message.
 SLOW_TO_START = ("evaluate", "generate", "serve", "convert")  # commands whose progress display follows the imports
 
 
+# What a stop leaves behind, per command (matrix 3, D14: every command said the training's words)
+STOPPED_WHAT = {
+    "train": "Checkpoints already complete are intact (a save in progress is discarded, never half-read); resume with "
+             "--load",
+    "preprocess": "Nothing was written: the outputs are moved into place only when complete (their temporaries are "
+                  "removed)",
+    "convert": "Nothing was written: a checkpoint is named by latest only when complete (a partial one is discarded)",
+    "generate": "Nothing was written",
+    "evaluate": "Nothing was written",
+    "serve": "The requests in flight were ended",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatches to a subcommand; bad input exits with status 2 and one clear message."""
     return _run(argv, launched=False)[0]
@@ -133,8 +146,7 @@ def _run(argv: list[str] | None, launched: bool) -> tuple[int, bool]:
         if failures:  # torchrun stops every rank once one exits with an error: that error is the news
             _say(command, describe(failures))
             return 2, _process_group_exists()
-        _say(command, f"stopped by {name}. Checkpoints already complete are intact (a save in progress is discarded, "
-                      "never half-read); resume with --load")
+        _say(command, f"stopped by {name}. {STOPPED_WHAT.get(command, STOPPED_WHAT['train'])}")
         return status, _process_group_exists()  # peers may be mid-collective: the process ends without finalization
     except DistributedTimeout as error:  # said by each rank that waited: the missing rank cannot speak
         failures = peers_failures(wait=1.0) if launched else {}

@@ -12,6 +12,7 @@ collective reaches (bus bandwidth), not the link's marketing number.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,23 @@ class Hardware:
         for needed in ("name", "memory_bytes", "peak_flops"):
             if needed not in data:
                 raise HardwareError(f"{path}: missing {needed!r} (write one with `dtmega calibrate --out {path}`)")
+        if not isinstance(data["peak_flops"], dict):
+            raise HardwareError(f"{path}: peak_flops must be a table of dtype = FLOP/s, got {data['peak_flops']!r}")
+        rates = {f"peak_flops.{k}": v for k, v in data["peak_flops"].items()}
+        positive = {name: data[name] for name in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth",
+                                                  "inter_node_bandwidth", "efficiency", "fp8_efficiency",
+                                                  "attention_efficiency", "oversubscription", "host_bandwidth",
+                                                  "host_memory_bytes", "gpus_per_node") if data.get(name) is not None}
+        at_least_zero = {name: data[name] for name in ("intra_node_latency", "inter_node_latency", "op_overhead",
+                                                       "sharded_op_overhead") if data.get(name) is not None}
+        optional_zero = ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth")  # 0: not measured
+        for key, value in {**rates, **positive, **at_least_zero}.items():  # matrix 3, A9/A10
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            floor_ok = number and (value >= 0 if key in at_least_zero or key in optional_zero else value > 0)
+            if not floor_ok:
+                wanted = "0 or more" if key in at_least_zero or key in optional_zero else "above 0"
+                raise HardwareError(f"{path}: {key} = {value!r} must be a finite number {wanted}. Fix: a measured "
+                                    f"value (dtmega calibrate --out {path} writes one)")
         data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
         return cls(**{**data, "source": str(path)})
 

@@ -54,6 +54,7 @@ def parse_blend(items: list[str]) -> Blend:
     the blend is built, as Megatron normalizes them)."""
     if not items:
         raise DtmegaError("--data-path is empty; give a dataset prefix such as data/corpus_text_document")
+    items = [str(item) for item in items]  # a TOML list's numbers are their text, as on the command line (A6)
     numeric = [_is_number(item) for item in items]
     if not any(numeric):
         return Blend(tuple(items), None)

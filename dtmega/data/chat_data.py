@@ -26,6 +26,7 @@ Bad input is one error naming the line and the fix, before anything is written.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
 from dtmega.data.tokenizer_reference import tokenizer_reference
 from dtmega.kernels.errors import DtmegaError
 from dtmega.safe_files import create_exclusive, replace_from_temporary
+from dtmega.writable import make_writable_dir
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FORMAT = "dtmega-sft-v1"
@@ -86,6 +88,12 @@ def read_conversations(path: Path) -> list[tuple[int, list[dict]]]:
                 if not isinstance(message.get("content"), str):
                     raise ChatDataError(f"{where}: message {index}'s content is {type(message.get('content')).__name__}"
                                         ", not a string. Fix: the message's text as a string")
+                try:  # matrix 3, D9: a lone surrogate was the tokenizer's raw TypeError, no line named
+                    message["content"].encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ChatDataError(f"{where}: message {index} holds the lone surrogate "
+                                        f"{message['content'][error.start]!r} at character {error.start}, which is not "
+                                        "text. Fix: the line's text as valid UTF-8") from None
             out.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
     if not out:
         raise ChatDataError(f"{path} holds no conversations")
@@ -125,19 +133,25 @@ def conversation_tokens(messages: list[dict], chat: ChatTemplate, tokenizer, whe
     return ids, flags
 
 
+PADDED_FILE_BYTES = 256 << 20  # past this size a file that is over 90 % padding is refused
+
+
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: conversation indices per sample, each sample's total <= capacity."""
+    """Best-fit decreasing: conversation indices per sample, each sample's total <= capacity.
+    The samples' (room left, sample) pairs are kept sorted, so the best fit (the least room that
+    holds the conversation, the first such sample on a tie) is one bisection, not a scan of every
+    sample (matrix 3, C13: quadratic in the samples)."""
     bins: list[list[int]] = []
-    room: list[int] = []
+    rooms: list[tuple[int, int]] = []  # sorted (room, sample)
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        best = min((r, b) for b, r in enumerate(room) if r >= lengths[index]) if any(
-            r >= lengths[index] for r in room) else None
-        if best is None:
+        at = bisect.bisect_left(rooms, (lengths[index], -1))
+        if at == len(rooms):
             bins.append([index])
-            room.append(capacity - lengths[index])
+            bisect.insort(rooms, (capacity - lengths[index], len(bins) - 1))
         else:
-            bins[best[1]].append(index)
-            room[best[1]] -= lengths[index]
+            room, sample = rooms.pop(at)
+            bins[sample].append(index)
+            bisect.insort(rooms, (room - lengths[index], sample))
     return bins
 
 
@@ -149,6 +163,11 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
         raise ChatDataError(f"--chat-overlong {overlong!r}; use one of {', '.join(OVERLONG)}")
     if seq_length < 2:
         raise ChatDataError(f"--seq-length {seq_length} must be at least 2")
+    try:  # before any conversation is rendered (matrix 3, D10: a raw error after all the work)
+        make_writable_dir(Path(output_prefix).parent)
+    except OSError as error:
+        raise ChatDataError(f"--output-prefix {output_prefix}: cannot write there ({error.strerror}: {error.filename}). "
+                            "Fix: an output prefix in a writable directory") from None
     capacity = seq_length + 1
     counts = ChatCounts()
     kept: list[tuple[list[int], list[int]]] = []
@@ -172,6 +191,11 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
                             "--chat-overlong truncate")
     counts.tokens = [len(ids) for ids, _ in kept]
     bins = pack(counts.tokens, capacity)
+    positions, tokens = len(bins) * capacity, sum(counts.tokens)
+    if positions * 12 > PADDED_FILE_BYTES and tokens < positions // 10:  # matrix 3, D11
+        raise ChatDataError(f"{len(bins):,} samples of {capacity:,} positions would hold {tokens:,} tokens: "
+                            f"{100 * (1 - tokens / positions):.2f} % padding in a {positions * 12 / 2**30:,.1f} GiB file. "
+                            "Fix: the training run's --seq-length (a sample is one training sequence)")
     data = np.zeros((len(bins), 3, capacity), dtype=np.int32)
     for sample, members in enumerate(bins):
         at = 0
@@ -188,8 +212,14 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(f"{prefix}_sft.bin.tmp")
-    with create_exclusive(temporary) as handle:  # never written through a planted link
-        data.tofile(handle)
+    try:
+        with create_exclusive(temporary) as handle:  # never written through a planted link
+            data.tofile(handle)
+    except OSError as error:  # matrix 3, D13: a full disk left the temporary and a raw traceback
+        temporary.unlink(missing_ok=True)
+        raise ChatDataError(f"--output-prefix {output_prefix}: {error.strerror} while writing {temporary.name}; it was "
+                            "removed and nothing else was touched. Fix: free space there, or another "
+                            "--output-prefix") from None
     temporary.replace(f"{prefix}_sft.bin")
     header = {"format": FORMAT, "seq_length": seq_length, "samples": counts.samples,
               "conversations": counts.conversations, "truncated": counts.truncated, "dropped": counts.dropped,

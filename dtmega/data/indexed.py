@@ -125,9 +125,13 @@ class IndexedDatasetWriter:
         replace_from_temporary(stats_path(self.prefix), json.dumps(stats, indent=2))
 
     def abort(self) -> None:
-        """Removes the temporary files (called when preprocessing fails)."""
-        self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
+        """Removes the temporary files (called when preprocessing fails). Closing may fail again
+        the way the write failed (a full disk flushing its buffer): the files go anyway."""
+        try:
+            self._bin.close()
+        except OSError:
+            pass
+        for path in (self._bin_tmp, self._idx_tmp, Path(f"{stats_path(self.prefix)}.tmp")):
             path.unlink(missing_ok=True)
 
 

@@ -7,6 +7,7 @@ files and renamed into place at the end: a failed run leaves no file that looks 
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -223,9 +224,13 @@ def preprocess(config: PreprocessConfig, console: Console | None = None) -> Prep
             )
         for writer in writers.values():
             writer.finalize()
-    except BaseException:
+    except BaseException as error:
         for writer in writers.values():
             writer.abort()
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # matrix 3, D12
+            raise InputError(f"--output-prefix {config.output_prefix}: {error.strerror} while writing the tokens; "
+                             "the temporary files were removed and nothing else was touched. Fix: free space there, "
+                             "or another --output-prefix") from None
         raise
     finally:
         if pool is not None:

@@ -33,6 +33,11 @@ def read_header(prefix: str) -> dict:
     header = read_regular_json(path, "the chat data's header")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise DtmegaError(f"{path} is not a {FORMAT} file. Fix: make it with dtmega preprocess --chat")
+    for field in ("seq_length", "samples"):  # matrix 3, D7/D8: raw KeyError, or "20" repeated by `*`
+        value = header.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if field == "seq_length" else 1):
+            raise DtmegaError(f"{path} is damaged: {field} = {value!r} is not a {'length' if field == 'seq_length' else 'count'}"
+                              f" of at least {2 if field == 'seq_length' else 1}. Fix: preprocess again")
     return header
 
 

@@ -313,8 +313,15 @@ def directory_eos_token(path: Path) -> str | None:
     if not settings.exists():
         return None
     value = read_regular_json(settings, "the tokenizer settings")
-    token = value.get("eos_token") if isinstance(value, dict) else None
-    return token.get("content") if isinstance(token, dict) else token
+    if not isinstance(value, dict):  # matrix 3, C11: a list was a raw AttributeError
+        raise DtmegaError(f"{settings} holds a {type(value).__name__}, not a JSON object. Fix: the tokenizer's own "
+                          "tokenizer_config.json")
+    token = value.get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if token is not None and not isinstance(token, str):
+        raise DtmegaError(f"{settings}: eos_token = {token!r} is not a token (a string, or an object with its "
+                          "content). Fix: the tokenizer's own tokenizer_config.json")
+    return token
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, save_to: Path) -> HuggingFaceTokenizer:

@@ -30,6 +30,7 @@ from dtmega.serve.chat_source import choose_chat_template
 from dtmega.serve.engine import Engine
 from dtmega.serve.kv_budget import (
     KVCacheSize,
+    check_fits_memory,
     describe_kv_cache,
     kv_budget,
     kv_bytes_per_token,
@@ -112,8 +113,10 @@ def cache_size(a: argparse.Namespace, config, device_type: str) -> KVCacheSize:
     tp = a.tensor_model_parallel_size
     budget = kv_budget(kv_cache_memory=a.kv_cache_memory, utilization=a.gpu_memory_utilization,
                        device_type=device_type, weights=weight_bytes(config, tp, dtype))
-    return size_kv_cache(budget=budget, max_len=max_len, bytes_per_token=kv_bytes_per_token(config, tp, dtype),
+    size = size_kv_cache(budget=budget, max_len=max_len, bytes_per_token=kv_bytes_per_token(config, tp, dtype),
                          max_batch_size=a.max_batch_size)
+    check_fits_memory(size, device_type, weight_bytes(config, tp, dtype), budget.source)
+    return size
 
 
 def bind(host: str, port: int) -> socket.socket | str:

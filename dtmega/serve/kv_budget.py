@@ -33,7 +33,11 @@ def parse_bytes(text: str) -> int:
     if not match or unit not in _UNITS:
         raise DtmegaError(f"--kv-cache-memory {text!r} is not a size. Fix: bytes, or a number with a unit "
                          "(e.g. 4GiB, 512MiB, 2GB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value >= 2**63:  # matrix 3, K2: 1e400 was a raw OverflowError
+        raise DtmegaError(f"--kv-cache-memory {text!r} is not a size a machine has. Fix: bytes, or a number with a "
+                          "unit (e.g. 4GiB, 512MiB, 2GB)")
+    return int(value)
 
 
 def kv_bytes_per_token(config, tp: int, dtype: torch.dtype) -> int:
@@ -126,6 +130,20 @@ class KVCacheSize:
     def describe(self) -> str:
         return (f"KV cache: {self.slots} slot{'s' * (self.slots != 1)} x {self.max_len} positions = "
                 f"{self.bytes / GiB:.2f} GiB per rank ({self.bytes_per_token:,} bytes per token)")
+
+
+def check_fits_memory(size: KVCacheSize, device_type: str, weights: int, source: str) -> None:
+    """Refuses a cache that, with the weights, exceeds the device's memory (the host's available
+    memory on a CPU), before anything is loaded (matrix 3, K1: `--kv-cache-memory 1TiB` was a raw
+    allocation error from the first step)."""
+    total = _device_total_bytes(device_type)
+    if total is not None and size.bytes + weights > total:
+        where = "the GPU's memory" if device_type == "cuda" else "this machine's available memory"
+        fit = max(1, (total - weights) // (size.max_len * size.bytes_per_token)) if total > weights else 0
+        raise DtmegaError(f"{source}: {size.slots:,} slots x {size.max_len:,} positions = {size.bytes / GiB:,.1f} GiB "
+                          f"of KV cache, with {weights / GiB:.2f} GiB of weights, more than {where} "
+                          f"({total / GiB:.1f} GiB). Fix: a smaller --kv-cache-memory or --max-batch-size (about "
+                          f"{fit:,} slots fit), or a shorter --max-model-len")
 
 
 def size_kv_cache(*, budget: KVBudget, max_len: int, bytes_per_token: int, max_batch_size: int) -> KVCacheSize:

@@ -170,6 +170,8 @@ def main(argv: list[str]) -> str:
     check_mode(a)
     if not 0 < a.top_p <= 1 or a.top_k < 0 or a.max_new_tokens < 1:
         raise DtmegaError("need 0 < --top-p <= 1, --top-k >= 0 and --max-new-tokens >= 1")
+    if not 0 <= a.seed < 2**64:  # matrix 3, K6: a raw "Overflow when unpacking long long"
+        raise DtmegaError(f"--seed {a.seed}: must be from 0 to 2^64 - 1 (torch's generator seeds). Fix: e.g. --seed 0")
     if not 0 <= a.temperature <= 100 or a.temperature != a.temperature:
         raise DtmegaError(f"--temperature {a.temperature}: must be 0 (greedy, as --greedy) or a positive number up to "
                           "100. Fix: e.g. --temperature 0.8")

@@ -299,7 +299,11 @@ def check_before_launch(spec: ModelSpec, config: Any, shape: RunShape, plan: Pla
     stops the run before any process group, data or device is touched. Returns the model's
     parameter count."""
     import dtmega
+    from dtmega.mesh import default_device_type
+    from dtmega.train.memory_fit import check_weights_fit
 
+    if args.dry_run is None:  # before the meta build, which a model of 10^6 layers makes slow
+        check_weights_fit(config, shape.world, 4, default_device_type())  # fp32 master weights in every mode
     with torch.device("meta"):
         model = spec.build(config)
     workload = run_workload(args, shape)

@@ -405,3 +405,15 @@ def test_a_body_that_never_finishes_is_answered_408_and_let_go(tiny_checkpoint):
             connection.close()
     finally:
         assert process.stop() == 0, "".join(process.lines)[-3000:]
+
+
+def test_h5_an_integer_of_thousands_of_digits_is_a_400(tiny_checkpoint):
+    """Matrix 3, H5: a 5,000-digit integer (past Python's 4,300-digit conversion limit) was a
+    plain-text 500."""
+    process = ServerProcess(["--load", str(tiny_checkpoint)])
+    try:
+        status, body = process.api(b'{"prompts": ["x"], "tokens_to_generate": ' + b"9" * 5000 + b"}")
+        assert status == 400 and "the request body is not JSON" in body["message"], body
+        assert process.health()["status"] == "ok"
+    finally:
+        assert process.stop() == 0

@@ -158,6 +158,8 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    if isinstance(indent, int) and indent > MAX_INDENT:  # matrix 3, C4: indent 10^9 built gigabytes in C
+        raise _RenderBudget(f"asks tojson for an indent of {indent}, more than {MAX_INDENT}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -165,6 +167,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+MAX_INDENT = 64  # tojson's indent: templates use 2 or 4
 RENDER_SECONDS = 10.0
 RENDER_CHARS = 64 << 20  # characters of one rendered prompt
 MAX_OPERAND_BITS = 1 << 16  # a power's or repetition's result: at most this many bits or items

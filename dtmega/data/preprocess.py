@@ -20,7 +20,7 @@ import numpy as np
 from rich.console import Console
 
 from dtmega.data.indexed import IndexedDatasetWriter, token_dtype
-from dtmega.data.tokenizers import TokenizerSpec, build_tokenizer, train_bpe
+from dtmega.data.tokenizers import TokenizerSpec, TokenizerTextError, build_tokenizer, train_bpe
 from dtmega.kernels.errors import DtmegaError, MissingInput
 from dtmega.progress import progress_bar
 from dtmega.writable import make_writable_dir
@@ -142,14 +142,18 @@ def _encode_lines(lines: list[tuple[int, bytes]]) -> list[tuple[int, int, dict[s
             out.append((number, len(raw), str(error)))
             continue
         encoded = {}
-        for key, text in texts.items():
-            if hasattr(tokenizer, "encode_array"):
-                ids = tokenizer.encode_array(text).astype(dtype, copy=False)
-            else:
-                ids = np.asarray(tokenizer.encode(text), dtype=dtype)
-            if len(ids) and _WORKER["append_eod"]:
-                ids = np.append(ids, np.asarray([tokenizer.eod], dtype=dtype))
-            encoded[key] = ids
+        try:
+            for key, text in texts.items():
+                if hasattr(tokenizer, "encode_array"):
+                    ids = tokenizer.encode_array(text).astype(dtype, copy=False)
+                else:
+                    ids = np.asarray(tokenizer.encode(text), dtype=dtype)
+                if len(ids) and _WORKER["append_eod"]:
+                    ids = np.append(ids, np.asarray([tokenizer.eod], dtype=dtype))
+                encoded[key] = ids
+        except TokenizerTextError as error:  # a bad line like any other: named, skippable
+            out.append((number, len(raw), f"line {number}: {key!r}: {error}"))
+            continue
         out.append((number, len(raw), encoded))
     return out
 

@@ -100,15 +100,28 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         if len(text) <= self.LONG_TEXT or not self.splits_at_spaces:
-            return self.model.encode(text, add_special_tokens=False).ids
+            return self._encode(text)
         ids: list[int] = []
         start = 0
         while start < len(text):
             cut = self._CUT.search(text, start + self.LONG_TEXT) if len(text) - start > self.LONG_TEXT else None
             end = cut.start() if cut else len(text)
-            ids += self.model.encode(text[start:end], add_special_tokens=False).ids
+            ids += self._encode(text[start:end])
             start = end
         return ids
+
+    def _encode(self, text: str) -> list[int]:
+        """tokenizers' encode; its Rust panic (a pre-tokenizer regex past Oniguruma's retry limit, a
+        BaseException that nothing catches) becomes a TokenizerTextError naming the text's fault
+        (matrix 3, C12)."""
+        try:
+            return self.model.encode(text, add_special_tokens=False).ids
+        except BaseException as error:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+            if type(error).__name__ != "PanicException":
+                raise
+            raise TokenizerTextError(f"the tokenizer gave up on this text ({str(error).splitlines()[0][:160]}): its "
+                                     "pre-tokenizer's regular expression backtracks without end on it. Fix: another "
+                                     "tokenizer, or leave such text out") from None
 
     @functools.cached_property
     def splits_at_spaces(self) -> bool:
@@ -218,6 +231,10 @@ def _require_file(path: str | None, flag: str, kind: str) -> Path:
     if not Path(path).exists():
         raise MissingInput(f"{flag} {path} does not exist")
     return Path(path)
+
+
+class TokenizerTextError(DtmegaError):
+    """A text the tokenizer cannot encode (its own failure on this input, not the tokenizer file's)."""
 
 
 def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:

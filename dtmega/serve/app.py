@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dtmega.data.chat_template import ChatTemplate
+from dtmega.kernels.errors import DtmegaError
 from dtmega.serve import chat_api, megatron_api, openai_api
 from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
 from dtmega.serve.megatron_api import RequestError
@@ -38,6 +40,12 @@ class BodyTimeoutError(RequestError):
     """The body did not arrive in time: answered 408 and the connection closed."""
 
     status = 408
+
+
+class ShuttingDownError(RequestError):
+    """The server began to stop before the body arrived: answered 503."""
+
+    status = 503
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,7 @@ class _Gone(Exception):
     """The client disconnected or the request timed out; its sequences were cancelled."""
 
 
-async def _read_json(request: Request, limits: ServeLimits):
+async def _read_json(request: Request, limits: ServeLimits, stopping: threading.Event):
     """The request's JSON body: at most `max_request_bytes`, arriving within `body_timeout_s`
     (408 otherwise), parsed with nesting, huge integers and lone surrogates refused as 400s
     naming the problem (matrix 3, H4-H6: raw 500s before)."""
@@ -108,11 +116,20 @@ async def _read_json(request: Request, limits: ServeLimits):
                                    "shorter prompts, or start the server with a larger --max-request-bytes")
         return body
 
+    reading = asyncio.ensure_future(read())
+    deadline = asyncio.get_running_loop().time() + limits.body_timeout_s
     try:
-        body = await asyncio.wait_for(read(), limits.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise BodyTimeoutError(f"the request body did not arrive within {limits.body_timeout_s:g} s. Fix: send the "
-                               "whole body at once") from None
+        while not reading.done():  # a shutdown does not wait out a body that is not coming (matrix 3, H21)
+            await asyncio.wait({reading}, timeout=POLL_S)
+            if stopping.is_set() and not reading.done():
+                raise ShuttingDownError("the server is shutting down; the request body had not arrived. Fix: send it "
+                                        "to a running server")
+            if asyncio.get_running_loop().time() > deadline and not reading.done():
+                raise BodyTimeoutError(f"the request body did not arrive within {limits.body_timeout_s:g} s. Fix: "
+                                       "send the whole body at once")
+        body = reading.result()
+    finally:
+        reading.cancel()
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as error:
@@ -199,6 +216,9 @@ async def _stream(engine: Engine, parsed: openai_api.CompletionRequest, sequence
         engine.submit(sequence, lambda r: loop.call_soon_threadsafe(events.put_nowait, ("done", r.id, r)),
                       lambda sid, token: loop.call_soon_threadsafe(events.put_nowait, ("token", sid, token)))
     deadline = loop.time() + timeout
+    # the deadline also holds where this generator cannot look: a client that stops reading blocks
+    # the send of a chunk, and the sequences ran on past --request-timeout (matrix 3, H18)
+    watchdog = loop.call_later(timeout, engine.cancel, list(ids))
     try:
         for sequence in sequences:
             if (opening := shape.opening(sequence.id - first)) is not None:
@@ -234,6 +254,7 @@ async def _stream(engine: Engine, parsed: openai_api.CompletionRequest, sequence
             yield _event(shape.usage([results[s.id] for s in sequences]))
         yield _event("[DONE]")
     finally:
+        watchdog.cancel()
         unfinished = [sid for sid in ids if sid not in results]
         if unfinished:
             engine.cancel(unfinished)
@@ -275,9 +296,12 @@ FLASK_MESSAGES = {
 }
 
 
-def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAPI:
-    """The FastAPI application of one served model."""
+def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
+              stopping: threading.Event | None = None) -> FastAPI:
+    """The FastAPI application of one served model; `stopping` (set when the server begins to
+    stop) ends the wait for request bodies that have not arrived."""
     app = FastAPI(title="dtmega serve", description=f"text generation with {model.name}")
+    stopping = stopping or threading.Event()
     issued = [0]  # sequence ids handed out (the handlers all run on the event loop's one thread)
 
     def next_ids(count: int) -> int:
@@ -303,10 +327,10 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """Megatron's text generation request (prompts, tokens_to_generate, temperature, top_k,
         top_p, logprobs, random_seed, add_BOS, stop_token)."""
         try:
-            body = await _read_json(request, limits)
+            body = await _read_json(request, limits, stopping)
             parsed = await asyncio.to_thread(megatron_api.parse_api_request, body, tokenizer=model.tokenizer,
                                              context=model.context)
-        except RequestError as error:
+        except DtmegaError as error:  # a RequestError, or the tokenizer refusing a prompt's text (C12)
             return JSONResponse({"message": str(error)}, status_code=getattr(error, "status", 400))
         sequences = megatron_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids)))
         try:
@@ -322,12 +346,12 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """OpenAI-style completions (prompt, max_tokens, temperature, top_p, stop, logprobs,
         echo, seed, n, stream)."""
         try:
-            body = await _read_json(request, limits)
+            body = await _read_json(request, limits, stopping)
             if (missing := unknown_model(body, model)) is not None:
                 return missing
             parsed = await asyncio.to_thread(openai_api.parse_completion_request, body, tokenizer=model.tokenizer,
                                              context=model.context, vocab_size=model.vocab_size, model_name=model.name)
-        except RequestError as error:
+        except DtmegaError as error:
             param = getattr(error, "param", None)
             return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error", "param": param,
                                            "code": None}}, status_code=getattr(error, "status", 400))
@@ -351,7 +375,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
         """OpenAI-style chat completions (messages through the chat template; n, max_tokens or
         max_completion_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs, stream)."""
         try:
-            body = await _read_json(request, limits)
+            body = await _read_json(request, limits, stopping)
             if (missing := unknown_model(body, model)) is not None:
                 return missing
             # rendering and tokenizing run off the event loop (a template's render is bounded, but
@@ -359,7 +383,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits) -> FastAP
             parsed = await asyncio.to_thread(chat_api.parse_chat_request, body, chat=model.chat_template,
                                              tokenizer=model.tokenizer, context=model.context,
                                              vocab_size=model.vocab_size, model_name=model.name)
-        except RequestError as error:
+        except DtmegaError as error:
             return _openai_error(str(error), getattr(error, "status", 400), param=getattr(error, "param", None))
         sequences = openai_api.sequence_requests(parsed, next_ids(parsed.n))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

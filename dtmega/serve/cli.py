@@ -179,8 +179,9 @@ def main(argv: list[str]) -> None:
         return
     run_dir = head.checkpoint.parent if head.checkpoint.name.startswith("iter_") else head.checkpoint
     names = served_names(a.model_name, run_dir.name, a.load or a.load_hf)
+    stopping = threading.Event()
     app = build_app(engine, ServedModel(names[0], tokenizer, context, tokenizer.vocab_size, chat.template, names[1:]),
-                    ServeLimits(a.max_request_bytes, a.request_timeout))
+                    ServeLimits(a.max_request_bytes, a.request_timeout), stopping)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout,
                                            limit_concurrency=connection_limit()))
     host, port = sock.getsockname()[:2]
@@ -197,6 +198,7 @@ def main(argv: list[str]) -> None:
 
     def drain(signum, frame) -> None:
         console().print(f"[dim]{signal.Signals(signum).name}: finishing the requests in flight, then stopping[/dim]")
+        stopping.set()  # bodies still awaited are answered 503 at once, not waited for
         server.should_exit = True
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -202,3 +202,43 @@ def test_c13_a_template_is_compiled_once_and_packing_bisects():
     bins = pack(lengths, 64)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+
+
+def _backtracking_tokenizer(directory):
+    """A BPE tokenizer whose Split pre-tokenizer regex, (a|aa)+$, backtracks past Oniguruma's retry
+    limit on 40 a's and a '!' (the matrix's hf/redos)."""
+    from dtmega.data.tokenizers import train_bpe
+    from tests.corpus import make_texts
+
+    directory.mkdir(parents=True, exist_ok=True)
+    train_bpe(make_texts(20, seed=1), 300, directory / "tokenizer.json")
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory / "tokenizer.json"
+
+
+def test_c12_a_text_the_tokenizer_gives_up_on_is_a_bad_line(tmp_path, capsys):
+    """The tokenizers library's Rust panic is a BaseException: preprocess died with it (no line,
+    --skip-bad-lines could not skip it) and serve answered a plain-text 500."""
+    from dtmega.data.tokenizers import TokenizerTextError, tokenizer_from_path
+
+    tokenizer = tokenizer_from_path(_backtracking_tokenizer(tmp_path / "tok"))
+    with pytest.raises(TokenizerTextError, match=r"the tokenizer gave up on this text"):
+        tokenizer.encode("a" * 40 + "!")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "good words"}) + "\n" + json.dumps({"text": "a" * 40 + "!"}) + "\n")
+    line = ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--no-progress"]
+    assert dtmega_main(line) == 2
+    assert "line 2: 'text': the tokenizer gave up on this text" in capsys.readouterr().err
+    assert dtmega_main([*line, "--skip-bad-lines"]) == 0  # skippable, like any bad line
+    assert "1 lines skipped" in capsys.readouterr().err
+
+
+def test_c4_a_huge_tojson_indent_is_refused_unbuilt():
+    from dtmega.data.chat_template import ChatTemplate, ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match=r"asks tojson for an indent of 1000000000, more than 64"):
+        ChatTemplate("{{ messages|tojson(indent=1000000000) }}", "t").render([{"role": "user", "content": "hi"}])

@@ -193,3 +193,42 @@ def test_a_prefill_computes_the_last_positions_logits_only():
         assert seen[0] == (1, 9, VOCAB)
     finally:
         stop(engine, thread)
+
+
+def test_a_stream_whose_client_stops_reading_is_cancelled_at_its_deadline():
+    """Matrix 3, H18: a client that never reads blocks the send of a chunk, where the stream's own
+    deadline check never runs: its sequences (all the slots) ran on past --request-timeout. A
+    watchdog now cancels them at the deadline whatever the stream is doing. Here the stream is
+    advanced once and then never again, as a blocked send leaves it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dtmega.serve import app as serve_app
+
+    class Engine:
+        def __init__(self):
+            self.cancelled: list[int] = []
+
+        def submit(self, request, on_done, on_token=None):
+            on_token(request.id, 1)
+
+        def cancel(self, ids):
+            self.cancelled += ids
+
+    class Client:
+        async def is_disconnected(self):
+            return False
+
+    engine = Engine()
+    parsed = SimpleNamespace(model="m", n=1, include_usage=False, sampling=SimpleNamespace(stop_strings=()))
+    sequences = [SequenceRequest(i, [1], Sampling(max_new_tokens=100)) for i in range(3)]
+    tokenizer = SimpleNamespace(decode=lambda ids: "x" * len(ids))
+
+    async def scenario():
+        stream = serve_app._stream(engine, parsed, sequences, Client(), 0.3, tokenizer,
+                                   serve_app._completion_stream(parsed, "cmpl-1"))
+        await stream.__anext__()  # the first chunk is sent; the next send never completes
+        await asyncio.sleep(0.8)
+        return list(engine.cancelled)
+
+    assert sorted(asyncio.run(scenario())) == [0, 1, 2]

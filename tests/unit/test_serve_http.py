@@ -417,3 +417,24 @@ def test_h5_an_integer_of_thousands_of_digits_is_a_400(tiny_checkpoint):
         assert process.health()["status"] == "ok"
     finally:
         assert process.stop() == 0
+
+
+def test_sigterm_does_not_wait_for_bodies_that_are_not_coming(tiny_checkpoint):
+    """Matrix 3, H21: uvicorn's graceful shutdown waited --request-timeout for connections whose
+    body never finished (5 minutes with the default). A stop now answers them 503 at once."""
+    import time
+
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "20"])
+    host, port = process.url.removeprefix("http://").split(":")
+    held = []
+    for _ in range(5):
+        connection = socket.create_connection((host, int(port)), timeout=15)
+        connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"pro")
+        held.append(connection)
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert process.stop(timeout=15) == 0, "".join(process.lines)[-3000:]
+    assert time.monotonic() - started < 8
+    answers = [_read_until_closed(connection) for connection in held]
+    assert all(answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer for answer in answers), answers[0]

@@ -99,6 +99,11 @@ class RankMarks:
         self.store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
         self.keys = [f"dtmega/progress/{rank}" for rank in range(self.world)]  # the store is this attempt's (joining.py)
         self.step, self.phase = 0, "start-up"
+        # every rank's wall clock at one moment (one all-gather, on every rank alike): a mark's
+        # stamp is read on the reader's clock, so a node whose clock is an hour off does not show
+        # a phase "for 3618 s" (matrix 3, T4)
+        clocks = gather_objects(time.time())
+        self.clock_offsets = [clock - clocks[self.rank] for clock in clocks]
 
     def mark(self, step: int, phase: str) -> None:
         """This rank is now at `step`, doing `phase` (one small store write)."""
@@ -116,7 +121,8 @@ class RankMarks:
             try:
                 if self.store.check([key]):
                     step, phase, stamp = json.loads(self.store.get(key))
-                    place = f"step {step}, {phase} (for {time.time() - stamp:.0f} s)"
+                    since = time.time() - (stamp - self.clock_offsets[rank])
+                    place = f"step {step}, {phase} (for {max(0.0, since):.0f} s)"
                 else:
                     place = "no mark yet (not started, or crashed before its first step)"
             except (RuntimeError, ValueError):

@@ -242,3 +242,30 @@ def test_c4_a_huge_tojson_indent_is_refused_unbuilt():
 
     with pytest.raises(ChatTemplateError, match=r"asks tojson for an indent of 1000000000, more than 64"):
         ChatTemplate("{{ messages|tojson(indent=1000000000) }}", "t").render([{"role": "user", "content": "hi"}])
+
+
+def test_t4_a_ranks_phase_time_is_read_on_one_clock():
+    """Matrix 3, T4: rank 1's wall clock an hour behind showed its phase "for 3618 s". The marks'
+    stamps are now moved onto the reader's clock by the offsets gathered at start-up. The store is
+    faked: two ranks, rank 1 in its phase for 5 s by its own (skewed) clock."""
+    import time
+
+    from dtmega.train.watch import RankMarks
+
+    now = time.time()
+    marks = {"dtmega/progress/0": json.dumps([8, "forward/backward", now - 2]),
+             "dtmega/progress/1": json.dumps([7, "forward/backward", now - 3600 - 5])}
+
+    class Store:
+        def check(self, keys):
+            return keys[0] in marks
+
+        def get(self, key):
+            return marks[key].encode()
+
+    rank_marks = RankMarks.__new__(RankMarks)
+    rank_marks.rank, rank_marks.world, rank_marks.store = 0, 2, Store()
+    rank_marks.keys = list(marks)
+    rank_marks.clock_offsets = [0.0, -3600.0]  # rank 1's clock read an hour less at the same moment
+    lines = rank_marks.where_everyone_is()
+    assert lines == ["rank 0: step 8, forward/backward (for 2 s)", "rank 1: step 7, forward/backward (for 5 s)"], lines

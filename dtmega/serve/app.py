@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dtmega.data.chat_template import ChatTemplate
 from dtmega.kernels.errors import DtmegaError
 from dtmega.serve import chat_api, megatron_api, openai_api
-from dtmega.serve.engine import Engine, SequenceRequest, SequenceResult
+from dtmega.serve.engine import UNAVAILABLE, Engine, SequenceRequest, SequenceResult
 from dtmega.serve.megatron_api import RequestError
 
 POLL_S = 0.05
@@ -288,6 +288,11 @@ def _failed(results: list[SequenceResult]) -> str | None:
     return errors[0] if errors else None
 
 
+def _failure_status(error: str) -> int:
+    """503 when the server itself broke (a peer rank went away), 500 for a sequence's own failure."""
+    return 503 if error.startswith(UNAVAILABLE) else 500
+
+
 # What Megatron's server (Flask-RESTful on werkzeug) says for routing errors.
 FLASK_MESSAGES = {
     404: "The requested URL was not found on the server. If you entered the URL manually please check your "
@@ -338,7 +343,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
         except _Gone as gone:
             return JSONResponse({"message": str(gone)}, status_code=504)
         if (error := _failed(results)) is not None:
-            return JSONResponse({"message": f"generation failed: {error}"}, status_code=500)
+            return JSONResponse({"message": f"generation failed: {error}"}, status_code=_failure_status(error))
         return megatron_api.api_response(parsed, results, model.tokenizer)
 
     @app.post("/v1/completions")
@@ -367,7 +372,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
                                 status_code=504)
         if (error := _failed(results)) is not None:
             return JSONResponse({"error": {"message": f"generation failed: {error}", "type": "server_error",
-                                           "param": None, "code": None}}, status_code=500)
+                                           "param": None, "code": None}}, status_code=_failure_status(error))
         return openai_api.completion_response(parsed, results, model.tokenizer, f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
@@ -396,7 +401,7 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
         except _Gone as gone:
             return _openai_error(str(gone), 504, "timeout")
         if (error := _failed(results)) is not None:
-            return _openai_error(f"generation failed: {error}", 500, "server_error")
+            return _openai_error(f"generation failed: {error}", _failure_status(error), "server_error")
         return chat_api.chat_response(parsed, results, model.tokenizer, request_id)
 
     @app.get("/v1/health")
@@ -405,6 +410,9 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
         step within --request-timeout (every request would time out), so a balancer's probe sees
         a server that can no longer generate (matrix 3, H1: it said ok while nothing ran)."""
         load = engine.load()
+        if engine.broken:
+            return JSONResponse({"status": "broken", "reason": engine.broken, "model": model.name, **load},
+                                status_code=503)
         stalled = (load["running"] or load["waiting"]) and load["seconds_since_step"] > limits.request_timeout_s
         if stalled:
             return JSONResponse({"status": "stalled", "model": model.name, **load}, status_code=503)

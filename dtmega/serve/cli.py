@@ -215,7 +215,15 @@ def main(argv: list[str]) -> None:
     console().print(f"serving {' = '.join(names)} ({context}-token context, {size.slots} sequences at a time) on {url}: "
                     f"PUT {url}/api, POST {url}/v1/completions{chat_endpoint}, GET {url}/v1/health", highlight=False,
                     soft_wrap=True)  # one line at any width: scripts (and ServerProcess) read the address from it
-    engine.run()
+    try:
+        engine.run()
+    except BaseException:
+        # the engine broke (a peer rank went away): its sequences were answered 503; let the HTTP
+        # thread send those answers and stop, then say why in one line
+        stopping.set()
+        server.should_exit = True
+        thread.join(timeout=10)
+        raise
     thread.join()
     if failures:
         raise RuntimeError(f"the HTTP server failed: {failures[0]!r}") from failures[0]

@@ -26,13 +26,25 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtmega.joining import DistributedTimeout
 from dtmega.mesh import broadcast_object
 from dtmega.models.slot_cache import SlotKVCache
 from dtmega.train.sampling import choose_next
+from dtmega.train.watch import looks_like_a_lost_peer
 
 IDLE_HEARTBEAT_S = 1.0
+UNAVAILABLE = "server unavailable"  # how a result's error starts when the server itself broke (HTTP 503)
+
+
+class _LostPeer(Exception):
+    """A collective broke because a peer rank went away: the engine, not a sequence, failed."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,7 @@ class Engine:
         self.forwards = 0  # model forwards (prefills and batched decodes)
         self.generated = 0  # tokens chosen
         self.last_step = time.monotonic()  # when the last step (or idle heartbeat) ended: health's liveness
+        self.broken: str | None = None  # why the engine stopped for good (a peer rank went away)
 
     @torch.no_grad()
     def reserve(self) -> None:
@@ -175,12 +188,39 @@ class Engine:
 
     @torch.no_grad()
     def run(self) -> None:
-        """Steps until rank 0 says stop (after its `stop()` and the last sequence)."""
+        """Steps until rank 0 says stop (after its `stop()` and the last sequence). A peer rank
+        that goes away (tensor parallelism) ends every sequence, running or waiting, with an
+        "unavailable" error and raises a one-line DistributedTimeout (matrix 3, H24: a raw gloo
+        traceback, and 500s naming gloo for the requests in flight)."""
         while True:
-            step = broadcast_object(self._plan_step() if self.leader else None)
-            if step.stop:
-                return
-            self._apply(step)
+            try:
+                step = broadcast_object(self._plan_step() if self.leader else None)
+                if step.stop:
+                    return
+                self._apply(step)
+            except _LostPeer as lost:
+                raise self._broken(lost.error) from None
+            except Exception as error:
+                if looks_like_a_lost_peer(error):
+                    raise self._broken(error) from None
+                raise
+
+    def _broken(self, error: BaseException) -> DistributedTimeout:
+        """Every sequence ended as unavailable (the answers go out before the server stops)."""
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        self.broken = (f"a rank of this server went away (killed, out of memory, a node failure); the server stops. "
+                       f"The backend said: {first}")
+        for running in list(self.running.values()):
+            running.result.error = f"{UNAVAILABLE}: {self.broken}"
+            self._finish(running, "error")
+        if self.leader:
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), deque()
+            for request, on_done in waiting:
+                on_done(SequenceResult(request.id, request.prompt_ids, finish_reason="error",
+                                       error=f"{UNAVAILABLE}: {self.broken}"))
+        return DistributedTimeout(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {self.broken}. Fix: look "
+                                  "at that rank's logs, then start the server again")
 
     def _plan_step(self) -> _Step:
         """Rank 0: cancellations and the waiting sequences that get a slot; waits (up to the
@@ -225,6 +265,8 @@ class Engine:
             work()
             return True
         except Exception as error:  # noqa: BLE001 - a failure ends the sequences it concerns, not the server
+            if looks_like_a_lost_peer(error):  # not this sequence's fault: the server cannot go on
+                raise _LostPeer(error) from None
             for running in rows:
                 if running.request.id in self.running:
                     running.result.error = f"{type(error).__name__}: {error}"

@@ -232,3 +232,36 @@ def test_a_stream_whose_client_stops_reading_is_cancelled_at_its_deadline():
         return list(engine.cancelled)
 
     assert sorted(asyncio.run(scenario())) == [0, 1, 2]
+
+
+def test_a_lost_peer_rank_ends_every_sequence_as_unavailable_and_stops_in_one_line():
+    """Matrix 3, H24: a tensor-parallel rank killed mid-request gave the requests in flight 500s
+    naming gloo and the server a raw traceback. A broken collective is the server's failure, not a
+    sequence's: every running and waiting sequence ends "server unavailable" (HTTP 503), health
+    says broken, and run() raises one DistributedTimeout line. The peer's death is simulated by
+    the forward raising gloo's words."""
+    from dtmega.joining import DistributedTimeout
+    from dtmega.serve.app import _failure_status
+    from dtmega.serve.engine import UNAVAILABLE
+
+    model = small_llama()
+    forward = model.forward
+    calls = [0]
+
+    def breaking(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+        return forward(*args, **kwargs)
+
+    model.forward = breaking
+    engine = Engine(model, vocab_size=VOCAB, slots=1, max_len=64, decode_text=lambda ids: "")
+    results = {}
+    for i, prompt in enumerate(prompts([4, 5])):  # the second waits for the one slot
+        engine.submit(SequenceRequest(i, prompt, Sampling(max_new_tokens=20, temperature=0.0)),
+                      lambda result: results.__setitem__(result.id, result))
+    with pytest.raises(DistributedTimeout, match=r"rank 0: a rank of this server went away .* Connection reset by "
+                                                 r"peer\. Fix: look at that rank's logs"):
+        engine.run()
+    assert sorted(results) == [0, 1] and all(r.error.startswith(UNAVAILABLE) for r in results.values())
+    assert _failure_status(results[1].error) == 503 and engine.broken

@@ -49,6 +49,7 @@ SYSTEM: dict[str, str] = {  # test file (or file::test) -> what it launches
     "test_two_nodes.py": "two torchrun 'nodes' on one machine",
     "test_preprocess_memory.py": "dtmega preprocess's worker processes on a 200 MB input",
     "test_serve_chat.py": "the chat server (HTTP, the OpenAI client)",
+    "test_serve_load.py": "dtmega serve under 200 concurrent mixed and hostile requests",
     "test_sft_checkpoint_chat.py::test_serve_answers_chat_with_the_checkpoints_own_template": "the chat server",
     "test_sft_checkpoint_chat.py::test_serve_chat_template_overrides_the_checkpoints_own": "the chat server",
     "test_logging_flags.py::test_an_offline_wandb_run_holds_the_config_and_every_record": "wandb's service process",

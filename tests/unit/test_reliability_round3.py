@@ -269,3 +269,39 @@ def test_t4_a_ranks_phase_time_is_read_on_one_clock():
     rank_marks.clock_offsets = [0.0, -3600.0]  # rank 1's clock read an hour less at the same moment
     lines = rank_marks.where_everyone_is()
     assert lines == ["rank 0: step 8, forward/backward (for 2 s)", "rank 1: step 7, forward/backward (for 5 s)"], lines
+
+
+def test_h2_the_held_back_tail_of_a_stream_is_linear_in_the_stop_strings():
+    """Matrix 3, H2: every prefix of every stop string was tried after every token (quadratic in
+    the stop's length: seconds per token for 250,000-character stops). The KMP pass gives the
+    same answer as the brute force, and a 1,000-character stop costs well under a millisecond."""
+    import random
+    import time
+
+    from dtmega.serve.openai_api import _held_back, stream_safe_text
+
+    def brute(text, stop):
+        return max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 7)))
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        assert _held_back(text, stop) == brute(text, stop), (text, stop)
+    started = time.perf_counter()
+    for _ in range(100):
+        stream_safe_text("x" * 4000 + "a" * 999, ("a" * 1000,) * 4, finished=False)
+    assert (time.perf_counter() - started) / 100 < 0.05
+
+
+def test_h13_a_temperature_too_small_for_fp32_is_the_greedy_choice():
+    import torch
+
+    from dtmega.train.sampling import choose_next
+
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
+    logits[:, 9:] = float("-inf")  # the vocabulary's padding rows
+    for temperature in (1e-300, 1e-45):
+        choice = choose_next(logits, temperature=temperature, top_k=0, top_p=1.0,
+                             generator=torch.Generator().manual_seed(1))
+        assert torch.equal(choice.ids, logits.argmax(-1)) and bool((choice.ids < 9).all())

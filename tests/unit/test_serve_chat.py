@@ -108,6 +108,10 @@ def test_chat_completions_through_the_openai_client_whole_and_streamed(chat_serv
     ([{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}], r"messages\[1\]\.role must be one of"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),
     ([], "messages must be a non-empty list"),
+    # matrix 3, H11 (an image part pointing at a file) and H12 (a conversation rendered past the context)
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
+     r"messages\[0\]\.content must be a string or a list of text parts"),
+    ([{"role": "user", "content": ""}] * 300, r"the rendered conversation has \d+ tokens, but the server's context"),
 ])
 def test_bad_messages_get_400_in_openais_shape_and_the_server_keeps_serving(chat_server, messages, message):
     import re

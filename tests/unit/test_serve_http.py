@@ -438,3 +438,51 @@ def test_sigterm_does_not_wait_for_bodies_that_are_not_coming(tiny_checkpoint):
     assert time.monotonic() - started < 8
     answers = [_read_until_closed(connection) for connection in held]
     assert all(answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer for answer in answers), answers[0]
+
+
+@pytest.mark.parametrize("prompt, message", [([], "prompt must be"), ([[]], "prompt 0 is empty"),
+                                             ([True, False], "prompt must be"),
+                                             ([2**70], "outside the vocabulary")])
+def test_h8_token_id_prompts_that_mean_nothing_are_400s(server, prompt, message):
+    """Matrix 3, H8 (GOOD, held): token-id prompts that are empty, booleans or past the vocabulary."""
+    status, error = server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 400 and error["error"]["param"] == "prompt" and message in error["error"]["message"], error
+
+
+@pytest.mark.parametrize("body", [
+    json.dumps({"prompt": "In", "max_tokens": 2, "temperature": 0}).encode("utf-16"),  # json.loads reads UTF-16
+    b"\xef\xbb\xbf" + json.dumps({"prompt": "In", "max_tokens": 2}).encode(),  # a UTF-8 BOM
+    b'{"prompt": "a", "prompt": "In", "max_tokens": 2}',  # duplicate keys: the last wins, as json does
+    json.dumps({"prompt": "\x00\u202e\U0001f600e\u0301", "max_tokens": 2}).encode(),  # NUL, RTL, emoji, combining
+])
+def test_h7_unusual_but_valid_bodies_are_answered(server, body):
+    """Matrix 3, H7 (GOOD, held)."""
+    status, answer = server.request("POST", "/v1/completions", body)
+    assert status == 200 and len(answer["choices"]) == 1, answer
+
+
+def test_h10_h23_the_rest_of_the_context_and_many_logprobs(server):
+    """Matrix 3, H10 (max_tokens null: up to the end of the context) and H23 (logprobs 20 for
+    many choices), both held: 200, the sizes as asked, health ok after."""
+    status, body = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": None, "temperature": 0})
+    usage = body["usage"]
+    assert status == 200 and usage["prompt_tokens"] + usage["completion_tokens"] <= 128
+    if body["choices"][0]["finish_reason"] == "length":
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 128
+    status, body = server.request("POST", "/v1/completions", {"prompt": "x", "n": 16, "max_tokens": 20, "logprobs": 20,
+                                                               "temperature": 1.0, "seed": 3})
+    assert status == 200 and len(body["choices"]) == 16
+    for choice in body["choices"]:  # keyed by text: ids that decode alike (bytes past UTF-8, specials) share a key
+        tops = choice["logprobs"]["top_logprobs"]
+        assert len(tops) == len(choice["logprobs"]["tokens"]) and all(0 < len(top) <= 20 for top in tops)
+    assert server.health()["status"] == "ok"
+
+
+def test_k5_an_infinite_request_timeout_serves(tiny_checkpoint):
+    """Matrix 3, K5 (GOOD, held): --request-timeout inf means no deadline, and the server serves."""
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "inf"])
+    try:
+        status, body = process.api({"prompts": ["In"], "tokens_to_generate": 2, "stop_token": -1})
+        assert status == 200 and len(body["tokens"][0]) == 4
+    finally:
+        assert process.stop() == 0, "".join(process.lines)[-3000:]

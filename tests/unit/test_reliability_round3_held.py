@@ -5,8 +5,6 @@ arrive inside a message (C5, C7, C8, C9), tokenizer files that are JSON but not 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from dtmega.data.chat_template import ChatTemplate, ChatTemplateError

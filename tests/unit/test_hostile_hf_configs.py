@@ -55,6 +55,9 @@ def _convert(hf, tmp_path, capsys) -> str:
     ({"rope_theta": 0}, r"rope_theta must be a finite number above 0, got 0"),  # F7
     ({"rope_theta": float("nan")}, r"rope_theta must be a finite number above 0, got nan"),  # F7
     ({"rms_norm_eps": -1e-6}, r"norm_eps must be a finite number above 0"),
+    ({"hidden_size": -64}, r"hidden_size must be positive, got -64"),  # F4 (held)
+    ({"num_key_value_heads": 3}, r"n_heads=4 is not divisible by n_kv_heads=3"),  # F4 (held)
+    ({"num_hidden_layers": "2"}, r"num_hidden_layers is missing or not an integer \('2'\)"),  # F4 (held)
     ({"rope_scaling": {"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}}, r"rope_scaling.factor must be a finite number of at least 1"),
 ])
@@ -72,6 +75,9 @@ def test_a_llama_config_that_lies_is_one_line_before_any_model(tmp_path, capsys,
                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
      r"yarn.factor must be a finite number of at least 1"),
     ({"kv_lora_rank": ...}, r"kv_lora_rank is missing"),  # F19
+    ({"num_experts_per_tok": 10}, r"top_k=10 must be between 1 and num_experts"),  # F18 (held)
+    ({"n_group": 3, "topk_group": 1}, r"not divisible by num_groups=3"),  # F18 (held)
+    ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim=7 must be even"),  # F18 (held)
     ({"q_lora_rank": "abc"}, r"a field is of the wrong type or out of range"),  # F19
 ])
 def test_a_deepseek_config_that_lies_is_one_line(tmp_path, capsys, fields, message):
@@ -110,3 +116,13 @@ def test_non_finite_weights_are_refused_as_they_are_read(tmp_path, capsys, name,
     assert f"{name} holds 1 non-finite values (NaN or infinity)" in error, error
     assert dtmega_main(["generate", "--load-hf", str(hf), "--prompt", "a", "--max-new-tokens", "1"]) == 2
     assert f"{name} holds 1 non-finite values" in capsys.readouterr().err
+
+
+def test_f14_an_index_that_puts_a_tensor_in_config_json_is_named(tmp_path, capsys):
+    """Matrix 3, F14 (held): the file named is read as safetensors and refused as not one."""
+    hf = save_tiny_llama31(tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "config.json"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "config.json is not a readable safetensors file" in _convert(hf, tmp_path, capsys)

@@ -132,7 +132,8 @@ def test_bad_requests_get_400_with_megatrons_message_and_the_server_still_answer
 
 @pytest.mark.parametrize("field, value", [("n", 1000), ("logprobs", 1_000_000), ("stop", ["a", "b", "c", "d", "e", "f"]),
                                           ("seed", 1e300), ("max_tokens", 4.5),
-                                          ("seed", 2**64), ("stop", ["y" * 1001])])  # matrix 3, H1 and H2
+                                          ("seed", 2**64), ("stop", ["y" * 1001]),  # matrix 3, H1 and H2
+                                          ("stop", ""), ("stop", [""])])  # H3 (held)
 def test_openai_values_that_mean_nothing_get_400_naming_the_field(server, field, value):
     """Matrix-2 N36, OpenAI's side: each refused with its own message, `param` naming the field."""
     status, error = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})

@@ -36,6 +36,7 @@ from dtmega.train.sampling import choose_next
 from dtmega.train.watch import looks_like_a_lost_peer
 
 IDLE_HEARTBEAT_S = 1.0
+PREFILL_TOKENS = 8192  # prompt tokens one prefill forward takes (more rows of one length: more forwards)
 UNAVAILABLE = "server unavailable"  # how a result's error starts when the server itself broke (HTTP 503)
 
 
@@ -295,8 +296,11 @@ class Engine:
         by_length: dict[int, list[_Running]] = {}
         for running in joining:
             by_length.setdefault(len(running.request.prompt_ids), []).append(running)
-        for rows in by_length.values():
-            self._isolated(rows, lambda rows=rows: self._prefill_group(rows))
+        for length, rows in by_length.items():
+            per_forward = max(1, PREFILL_TOKENS // length)  # a token budget per prefill forward (vLLM's
+            for start in range(0, len(rows), per_forward):  # max_num_batched_tokens): n 32 x 4,000 is 16 forwards
+                group = rows[start:start + per_forward]
+                self._isolated(group, lambda group=group: self._prefill_group(group))
 
     def _prefill_group(self, rows: list[_Running]) -> None:
         """One forward over prompts of one length, then each row's first token."""

@@ -265,3 +265,28 @@ def test_a_lost_peer_rank_ends_every_sequence_as_unavailable_and_stops_in_one_li
         engine.run()
     assert sorted(results) == [0, 1] and all(r.error.startswith(UNAVAILABLE) for r in results.values())
     assert _failure_status(results[1].error) == 503 and engine.broken
+
+
+def test_a_prefill_takes_at_most_its_token_budget_per_forward(monkeypatch):
+    """Matrix 3, H22: n 32 x 4,000-token prompts went through one forward. Rows of one length are
+    now prefilled PREFILL_TOKENS at a time (here 10: two 5-token prompts per forward), with the
+    same tokens as one forward would choose."""
+    from dtmega.serve import engine as engine_module
+
+    model = small_llama()
+    seen: list[int] = []
+    model.output.register_forward_hook(lambda module, inputs, output: seen.append(output.shape[0]))
+    monkeypatch.setattr(engine_module, "PREFILL_TOKENS", 10)
+    engine = Engine(model, vocab_size=VOCAB, slots=4, max_len=64, decode_text=lambda ids: "")
+    requests = [SequenceRequest(i, p, Sampling(max_new_tokens=1, temperature=0.0))
+                for i, p in enumerate(prompts([5, 5, 5], seed=4))]
+    results: dict[int, object] = {}
+    for request in requests:  # all waiting before the engine runs: one step takes the three
+        engine.submit(request, lambda result: results.__setitem__(result.id, result))
+    engine.stop()  # finishes what was submitted, then returns
+    engine.run()
+    assert seen == [2, 1]  # prefills of 2 rows, then 1; one token each, so no decode
+    for request in requests:
+        alone = generate_tokens(model, request.prompt_ids, vocab_size=VOCAB, eod=None, max_new_tokens=1,
+                                temperature=0.0)
+        assert_same_tokens(results[request.id], alone)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,7 +111,8 @@ def conversation_tokens(messages: list[dict], chat: ChatTemplate, tokenizer, whe
         try:
             return chat.render(messages[:upto], add_generation_prompt=generation)
         except ChatTemplateError as error:
-            raise ChatDataError(f"{where}: {error}. Fix: messages the template accepts") from None
+            fix = "" if "Fix:" in str(error) else ". Fix: messages the template accepts"
+            raise ChatDataError(f"{where}: {error}{fix}") from None
 
     def add(text: str, flag: int) -> None:
         piece = tokenizer.encode(text) if text else []
@@ -217,7 +219,10 @@ def preprocess_chat(input_path: Path, output_prefix: str, tokenizer, chat: ChatT
             data.tofile(handle)
     except OSError as error:  # matrix 3, D13: a full disk left the temporary and a raw traceback
         temporary.unlink(missing_ok=True)
-        raise ChatDataError(f"--output-prefix {output_prefix}: {error.strerror} while writing {temporary.name}; it was "
+        # numpy's tofile says only "N requested and M written" (no errno): a short write is a full disk
+        reason = error.strerror or (os.strerror(error.errno) if error.errno else
+                                    f"the disk took only part of the file ({error}): no space left on device")
+        raise ChatDataError(f"--output-prefix {output_prefix}: {reason} while writing {temporary.name}; it was "
                             "removed and nothing else was touched. Fix: free space there, or another "
                             "--output-prefix") from None
     temporary.replace(f"{prefix}_sft.bin")

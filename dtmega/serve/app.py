@@ -185,6 +185,29 @@ async def _run(engine: Engine, sequences: list[SequenceRequest], request: Reques
     return [futures[s.id].result() for s in sequences]
 
 
+class DeadlineStreamingResponse(StreamingResponse):
+    """A stream whose every send is bounded by the request's deadline (plus a second for the
+    timeout event): a client that stops reading blocked the send forever, holding the connection
+    and delaying a stop by uvicorn's whole graceful-shutdown timeout (matrix 3, H18). Past the
+    deadline the stream ends and the connection is closed."""
+
+    def __init__(self, content, deadline_s: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.deadline_s = deadline_s
+
+    async def stream_response(self, send) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s + 1.0
+
+        async def bounded(message) -> None:
+            await asyncio.wait_for(send(message), max(0.01, deadline - loop.time()))
+
+        try:
+            await super().stream_response(bounded)
+        except asyncio.TimeoutError:
+            return  # uvicorn closes a connection whose response did not complete
+
+
 def _event(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -362,9 +385,10 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
                                            "code": None}}, status_code=getattr(error, "status", 400))
         sequences = openai_api.sequence_requests(parsed, next_ids(len(parsed.prompt_ids) * parsed.n))
         if parsed.stream:
-            return StreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s, model.tokenizer,
-                                             _completion_stream(parsed, f"cmpl-{uuid.uuid4().hex}")),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return DeadlineStreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s,
+                                                     model.tokenizer, _completion_stream(parsed, f"cmpl-{uuid.uuid4().hex}")),
+                                             limits.request_timeout_s, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
         try:
             results = await _run(engine, sequences, request, limits.request_timeout_s)
         except _Gone as gone:
@@ -393,9 +417,10 @@ def build_app(engine: Engine, model: ServedModel, limits: ServeLimits,
         sequences = openai_api.sequence_requests(parsed, next_ids(parsed.n))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if parsed.stream:
-            return StreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s, model.tokenizer,
-                                             _chat_stream(parsed, request_id)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return DeadlineStreamingResponse(_stream(engine, parsed, sequences, request, limits.request_timeout_s,
+                                                     model.tokenizer, _chat_stream(parsed, request_id)),
+                                             limits.request_timeout_s, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
         try:
             results = await _run(engine, sequences, request, limits.request_timeout_s)
         except _Gone as gone:

@@ -290,3 +290,32 @@ def test_a_prefill_takes_at_most_its_token_budget_per_forward(monkeypatch):
         alone = generate_tokens(model, request.prompt_ids, vocab_size=VOCAB, eod=None, max_new_tokens=1,
                                 temperature=0.0)
         assert_same_tokens(results[request.id], alone)
+
+
+def test_a_stream_send_that_blocks_ends_at_the_deadline():
+    """Matrix 3, H18, the connection's side: a client that never reads left the stream's send
+    blocked, the connection held and a stop waiting uvicorn's whole graceful timeout. Each send is
+    now bounded by the deadline (+1 s): the response ends and uvicorn closes the connection."""
+    import asyncio
+    import time
+
+    from dtmega.serve.app import DeadlineStreamingResponse
+
+    async def events():
+        while True:
+            yield "data: x\n\n"
+
+    sent: list[dict] = []
+
+    async def send(message):  # the start and the first chunk go out, then the client stops reading
+        sent.append(message)
+        if len(sent) > 2:
+            await asyncio.Event().wait()
+
+    async def scenario():
+        started = time.monotonic()
+        await DeadlineStreamingResponse(events(), 0.5, media_type="text/event-stream").stream_response(send)
+        return time.monotonic() - started
+
+    took = asyncio.run(scenario())
+    assert 1.4 < took < 5.0 and len(sent) == 3, (took, len(sent))

@@ -46,6 +46,12 @@ def deepseek_config_from_hf(config: dict, source: str = "config.json") -> DeepSe
         raise _unsupported(source, "hidden_act", config["hidden_act"], "SwiGLU with SiLU only")
     if config.get("attention_bias"):
         raise _unsupported(source, "attention_bias", True, "MLA projections without biases only")
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                  "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        value = config.get(field)  # matrix 3, F19: a string was a TypeError naming no field
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise HFFormatError(f"{source}: {field} = {value!r} is not an integer. Fix: the model's own config.json")
     heads = int(config["num_attention_heads"])
     if int(config.get("num_key_value_heads", heads)) != heads:
         raise _unsupported(source, "num_key_value_heads", config["num_key_value_heads"],

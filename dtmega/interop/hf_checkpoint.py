@@ -256,16 +256,17 @@ def _mtp_layers_present(config: Any, names: set[str], path: Path) -> tuple[Any, 
 
 def _check_position_table(config: Any, source: str) -> None:
     """Refuses a max_position_embeddings whose RoPE table (cos and sin in fp32 for every position)
-    would take more than a quarter of this machine's memory (matrix 3, F6: 10^12 positions were a
-    raw 64 TB allocation when the model was built)."""
+    would take more than this machine's memory (matrix 3, F6: 10^12 positions were a raw 64 TB
+    allocation when the model was built). Serving and generating build the table for the
+    positions they use only (`restore(positions=)`), so a long context costs them nothing."""
     from dtmega.train.memory_fit import machine_memory_bytes
 
     positions, width = getattr(config, "max_seq_len", 0), getattr(config, "head_dim", 0) or 0
     memory = machine_memory_bytes("cuda" if torch.cuda.is_available() else "cpu")
-    if memory and positions * width * 4 > memory // 4:
+    if memory and positions * width * 4 > memory:
         raise HFFormatError(f"{source}: max_position_embeddings = {positions:,} needs a {positions * width * 4 / 2**30:,.1f} "
-                            f"GiB position table, more than a quarter of this machine's {memory / 2**30:,.1f} GiB. "
-                            "Fix: the model's real context length")
+                            f"GiB position table, more than this machine's {memory / 2**30:,.1f} GiB. Fix: the "
+                            "model's real context length")
 
 
 def config_of(architecture: HFArchitecture, hf_config: dict, source: str) -> Any:

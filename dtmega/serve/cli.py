@@ -166,7 +166,7 @@ def main(argv: list[str]) -> None:
     if problem:
         raise DtmegaError(problem)
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
-                                             load_hf=a.load_hf, tokenizer_model=a.tokenizer_model)
+                                             load_hf=a.load_hf, tokenizer_model=a.tokenizer_model, positions=size.max_len)
     pm.eval()
     context = size.max_len
     engine = Engine(pm.module, vocab_size=tokenizer.vocab_size, slots=size.slots, max_len=context,

@@ -90,10 +90,11 @@ def generate(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, *, max_n
     return tokenizer.decode(produced.ids)
 
 
-def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int, what: str = "the prompt") -> None:
+def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int, what: str = "the prompt") -> int:
     """The prompt is text (UTF-8) and prompt + new tokens fit the model's context, checked from
     the checkpoint's files before any weight is loaded or KV cache allocated. `what` names the
-    prompt in the message (--chat: the rendered conversation)."""
+    prompt in the message (--chat: the rendered conversation). Returns the positions the
+    generation uses (prompt + new tokens)."""
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -108,6 +109,7 @@ def check_request(head: CheckpointHead, prompt: str, max_new_tokens: int, what: 
             f"the model's context of {context} tokens (its max position embeddings). Fix: --max-new-tokens "
             f"{max(context - used, 0)} or less" + (", and a shorter prompt" if used >= context else "")
         )
+    return used + max_new_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,9 +179,9 @@ def main(argv: list[str]) -> str:
                           "100. Fix: e.g. --temperature 0.8")
     head = read_source_head(a, contents=False)
     prompt, stops, note = chat_prompt(a, head) if a.chat else (a.prompt, (), None)
-    check_request(head, prompt, a.max_new_tokens, "the rendered conversation" if a.chat else "the prompt")
+    positions = check_request(head, prompt, a.max_new_tokens, "the rendered conversation" if a.chat else "the prompt")
     pm, tokenizer, _ = restore_with_progress(a.load, tp=a.tensor_model_parallel_size, custom_import=a.custom_import,
-                                             load_hf=a.load_hf, tokenizer_model=a.tokenizer_model)
+                                             load_hf=a.load_hf, tokenizer_model=a.tokenizer_model, positions=positions)
     if pm.program.facts.family not in decoding_families():
         raise DtmegaError(f"dtmega generate decodes {', '.join(decoding_families())} models (their KV cache); this "
                          f"checkpoint holds a {pm.program.facts.family} model. Fix: evaluate it with dtmega evaluate")

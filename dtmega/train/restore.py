@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ RESTORE_PHASES = 3
 def restore(
     load: str | Path | None, *, tp: int = 1, data_parallel: str | None = None, mesh=None, custom_import: tuple = (),
     on_phase: Callable[[str], None] | None = None, load_hf: str | Path | None = None, document_masking: bool = False,
-    tokenizer_model: str | None = None,
+    tokenizer_model: str | None = None, positions: int | None = None,
 ) -> tuple[dtmega.ParallelModel, Tokenizer, dict]:
     """(model sharded TP-ways [x data-parallel over the remaining ranks: "ddp" or "fsdp"], its
     tokenizer, its saved state). `load_hf` instead of `load`: a Hugging Face model directory,
@@ -130,7 +131,10 @@ def restore(
     `on_phase(name)` is told each of the RESTORE_PHASES phases as it starts (a progress bar's
     `phase`); `document_masking`: the plan masks attention per document, as `train --sft` and
     --reset-attention-mask train (batches then carry their document ids: packed chat samples);
-    `tokenizer_model` (--tokenizer-model) replaces the checkpoint's tokenizer."""
+    `tokenizer_model` (--tokenizer-model) replaces the checkpoint's tokenizer; `positions` (serve's
+    --max-model-len, generate's prompt + new tokens) builds the RoPE table for that many positions
+    only, not the config's whole context (matrix 3, F6: 2 GB for a 10^7-position config serving
+    256); a family whose positions are weights (learned absolute positions) keeps its own."""
     on_phase = on_phase or (lambda name: None)
     on_phase("checking the checkpoint's files")
     if mesh is None:
@@ -149,6 +153,9 @@ def restore(
     else:  # the mesh's ranks share the checksum work
         head = read_head(load, custom_import, group=None if whole_world else LOCAL, tokenizer_model=tokenizer_model)
     checkpoint, state, spec, config, tokenizer = head.checkpoint, head.state, head.spec, head.config, head.tokenizer
+    if positions is not None and 0 < positions < getattr(config, "max_seq_len", 0) \
+            and getattr(config, "position_embedding", "rope") != "learned_absolute":
+        config = dataclasses.replace(config, max_seq_len=positions)  # a RoPE table is no weight: nothing else changes
     on_phase("building the model")
     passes = [TensorParallel()] if tp > 1 else []
     if document_masking:  # where the training plan has it: after the model's split, before data parallelism

@@ -305,3 +305,24 @@ def test_h13_a_temperature_too_small_for_fp32_is_the_greedy_choice():
         choice = choose_next(logits, temperature=temperature, top_k=0, top_p=1.0,
                              generator=torch.Generator().manual_seed(1))
         assert torch.equal(choice.ids, logits.argmax(-1)) and bool((choice.ids < 9).all())
+
+
+def test_f6_serving_and_generating_build_the_position_table_they_use(tmp_path):
+    """Matrix 3, F6 (10^7 positions): the RoPE table was built for the config's whole context
+    (2 GB) although a command used 256 positions. `restore(positions=)` (serve's --max-model-len,
+    generate's prompt + new tokens) builds that many rows; the logits are the full table's."""
+    import torch
+
+    from dtmega.train.restore import restore
+    from tests.hf_models import save_tiny_llama31
+
+    hf = save_tiny_llama31(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["max_position_embeddings"] = 10**7
+    (hf / "config.json").write_text(json.dumps(config))
+    small, _, _ = restore(None, load_hf=hf, positions=32)
+    assert small.module.rope_cache.shape[0] == 32
+    whole, _, _ = restore(None, load_hf=save_tiny_llama31(tmp_path / "hf256"))  # 256 positions: the table whole
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(small.module(tokens), whole.module(tokens), rtol=1e-6, atol=1e-6)  # fp32: same rows

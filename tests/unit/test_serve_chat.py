@@ -204,7 +204,7 @@ def test_a_template_that_never_ends_does_not_stop_the_server(tiny_checkpoint, tm
         time.sleep(1.0)
         for _ in range(3):
             asked = time.monotonic()
-            assert process.health()["status"] == "ok" and time.monotonic() - asked < 2.0  # not blocked by the render
+            assert process.health()["status"] == "ok" and time.monotonic() - asked < 3.0  # the render takes 10 s
             status, body = process.request("POST", "/v1/completions", {"prompt": "In", "max_tokens": 1})
             assert status == 200, body
         client.join(60)

@@ -385,10 +385,11 @@ def _read_until_closed(connection: socket.socket) -> bytes:
 def test_a_body_that_never_finishes_is_answered_408_and_let_go(tiny_checkpoint):
     """Matrix 3, H20: a body announced longer than it is was held forever (no read deadline), and
     enough of them exhausted the server's descriptors. Now the body must arrive within
-    --request-timeout (at most 30 s): 408, the connection closed, health answering meanwhile."""
+    --request-timeout (at most 30 s): 408, the connection closed, health answering meanwhile
+    (bounds far apart: health within 5 s while the bodies are held for 8 s)."""
     import time
 
-    process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "2"])
+    process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "8"])
     try:
         host, port = process.url.removeprefix("http://").split(":")
         held = []
@@ -398,10 +399,10 @@ def test_a_body_that_never_finishes_is_answered_408_and_let_go(tiny_checkpoint):
                                b"Content-Length: 100\r\n\r\n{\"pro")
             held.append(connection)
         started = time.monotonic()
-        assert process.health()["status"] == "ok" and time.monotonic() - started < 1.0
+        assert process.health()["status"] == "ok" and time.monotonic() - started < 5.0
         answers = [_read_until_closed(connection) for connection in held]  # the server closes each
-        assert all(answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in answer for answer in answers)
-        assert time.monotonic() - started < 10
+        assert all(answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 8 s" in answer for answer in answers)
+        assert time.monotonic() - started < 30
         for connection in held:
             connection.close()
     finally:

@@ -6,8 +6,8 @@ server's own greedy answer within a stated bound and health stays truthful.
 
 Bounds (this 2-core CPU machine, the tiny checkpoint, 16 client threads): every well-formed
 answer within LATENCY_S (a request waits at most for the 32 slots' worth of queued work ahead of
-it; a few seconds is typical), every health probe within HEALTH_S, the whole test within a
-few tens of seconds."""
+it; a few seconds is typical), every health probe within HEALTH_S (a loop blocked by
+a render or a body would hold it 10 s or more), the whole test within a few tens of seconds."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dtmega.serve.process import ServerProcess
 
 REQUESTS = 200
 LATENCY_S = 60.0  # a well-formed request's answer, queueing included, on 2 busy cores
-HEALTH_S = 2.0  # a health probe while the load runs (it never waits for generation)
+HEALTH_S = 5.0  # a health probe while the load runs (it never waits for generation; a blocked loop: 10 s+)
 GREEDY = {"prompt": "In the beginning", "max_tokens": 8, "temperature": 0}
 
 

@@ -146,9 +146,7 @@ def split_size(data: IndexedDataset, spec: GPTDatasetSpec) -> SplitSize:
             "Fix: use more data, a shorter --seq-length, or a --split that gives this split more"
         )
     epochs = epochs_for(tokens_per_epoch, spec.num_samples, spec.seq_length)
-    size = SplitSize(tokens_per_epoch, epochs, samples_in(epochs, tokens_per_epoch, spec.seq_length))
-    _check_index_fits(spec, size, hi - lo)
-    return size
+    return SplitSize(tokens_per_epoch, epochs, samples_in(epochs, tokens_per_epoch, spec.seq_length))
 
 
 INDEX_BYTES_PER_SEQUENCE = 4 + 8 + 8  # the document order (int32), its starts (int64), their int64 temporary
@@ -163,10 +161,12 @@ def _memory_bytes() -> int:
         return 1 << 40
 
 
-def _check_index_fits(spec: GPTDatasetSpec, size: SplitSize, sequences: int) -> None:
-    """Refuses a split whose sample index would not fit in half the machine's memory, from the
+def check_index_fits(data: IndexedDataset, spec: GPTDatasetSpec) -> None:
+    """Refuses a split whose sample index would not fit in half this machine's memory, from the
     sizes alone, before anything is built: `--train-iters 10^12` grew the index until memory ran
-    out (matrix 3, A4)."""
+    out (matrix 3, A4). A launch checks it at start-up; a dry run, which plans for another
+    machine and builds nothing, does not."""
+    size, sequences = split_size(data, spec), spec.sequences[1] - spec.sequences[0]
     needed = size.epochs * sequences * INDEX_BYTES_PER_SEQUENCE + size.samples * INDEX_BYTES_PER_SAMPLE
     budget = _memory_bytes() // 2
     if needed > budget:
@@ -209,6 +209,7 @@ class GPTDataset:
     def __init__(self, data: IndexedDataset, spec: GPTDatasetSpec):
         self.data, self.spec = data, spec
         self.size = split_size(data, spec)
+        check_index_fits(data, spec)
         self.index = cached_index(spec.cache_path(), self._build)
         self.lengths = data.sequence_lengths
 

@@ -79,6 +79,13 @@ def plan_run_data(args: Any, global_batch: int) -> RunData:
         config = DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed, args.data_cache_path,
                             args.per_split_paths, mmap=not args.no_mmap_bin_files)
         data = RunData("gpt", sizes, plan_datasets(config, sizes))
+        if not args.dry_run:  # this machine builds the indices: each must fit in its memory (a dry run plans)
+            from dtmega.data.gpt_dataset import check_index_fits
+            from dtmega.data.indexed import IndexedDataset
+
+            for plan in (plan for plan in data.plans.values() if plan is not None):
+                for spec in plan.components:
+                    check_index_fits(IndexedDataset(spec.prefix, mmap=False), spec)
     if data.plans.get("train") is None:
         raise ArgumentError(f"--split {args.split} leaves no training documents. Fix: a --split whose first part is "
                             "larger, or more data" if args.per_split_paths is None

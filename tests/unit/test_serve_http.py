@@ -375,6 +375,18 @@ def test_a_temperature_too_small_for_fp32_is_greedy_and_never_a_padding_id(serve
     assert all(value == value and abs(value) != float("inf") for value in tiny["logprobs"][0])
 
 
+def _unfinished_bodies(process: ServerProcess, count: int, timeout: float) -> list[socket.socket]:
+    """`count` connections that announce a 100-byte body and send 6 bytes of it, then nothing."""
+    host, port = process.url.removeprefix("http://").split(":")
+    held = []
+    for _ in range(count):
+        connection = socket.create_connection((host, int(port)), timeout=timeout)
+        connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"pro")
+        held.append(connection)
+    return held
+
+
 def _read_until_closed(connection: socket.socket) -> bytes:
     data = b""
     while chunk := connection.recv(4096):
@@ -391,13 +403,7 @@ def test_a_body_that_never_finishes_is_answered_408_and_let_go(tiny_checkpoint):
 
     process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "8"])
     try:
-        host, port = process.url.removeprefix("http://").split(":")
-        held = []
-        for _ in range(20):
-            connection = socket.create_connection((host, int(port)), timeout=10)
-            connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: 100\r\n\r\n{\"pro")
-            held.append(connection)
+        held = _unfinished_bodies(process, 20, timeout=10)
         started = time.monotonic()
         assert process.health()["status"] == "ok" and time.monotonic() - started < 5.0
         answers = [_read_until_closed(connection) for connection in held]  # the server closes each
@@ -427,13 +433,7 @@ def test_sigterm_does_not_wait_for_bodies_that_are_not_coming(tiny_checkpoint):
     import time
 
     process = ServerProcess(["--load", str(tiny_checkpoint), "--request-timeout", "20"])
-    host, port = process.url.removeprefix("http://").split(":")
-    held = []
-    for _ in range(5):
-        connection = socket.create_connection((host, int(port)), timeout=15)
-        connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 100\r\n\r\n{\"pro")
-        held.append(connection)
+    held = _unfinished_bodies(process, 5, timeout=15)
     time.sleep(0.5)
     started = time.monotonic()
     assert process.stop(timeout=15) == 0, "".join(process.lines)[-3000:]

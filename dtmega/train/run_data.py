@@ -79,7 +79,7 @@ def plan_run_data(args: Any, global_batch: int) -> RunData:
         config = DataConfig(tuple(args.data_path), args.split_weights, args.seq_length, args.seed, args.data_cache_path,
                             args.per_split_paths, mmap=not args.no_mmap_bin_files)
         data = RunData("gpt", sizes, plan_datasets(config, sizes))
-        if not args.dry_run:  # this machine builds the indices: each must fit in its memory (a dry run plans)
+        if args.dry_run is None:  # this machine builds the indices: each must fit in its memory (a dry run plans)
             from dtmega.data.gpt_dataset import check_index_fits
             from dtmega.data.indexed import IndexedDataset
 

@@ -96,3 +96,23 @@ def test_an_empty_validation_part_is_said_at_start_by_the_dry_run_and_the_launch
     err_and_out = "".join(capfd.readouterr())
     assert "no validation will run" in err_and_out
     assert err_and_out.index("no validation will run") < err_and_out.index("loss")  # before the first step's line
+
+
+@pytest.mark.parametrize("dry_run", [[], ["2"]], ids=["bare", "for two ranks"])
+def test_a_dry_run_plans_a_sample_index_past_this_machines_memory_and_a_launch_refuses_it(
+        data, dry_run, monkeypatch, capsys, tmp_path):
+    """docs/reliability.md: a sample index past half this machine's memory is refused by a launch
+    before any index is built; a dry run plans for another machine and does not refuse it. A bare
+    `--dry-run` parses to 0, which the check once read as "not a dry run"."""
+    from dtmega.data import gpt_dataset
+
+    monkeypatch.setattr(gpt_dataset, "_memory_bytes", lambda: 2**20)  # a 1 MiB machine
+    line = tiny_args(data["big"], save=str(tmp_path / "ckpt"), train_iters=10**5)
+    assert main(["train", *line, "--dry-run", *dry_run]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the refusal comes before any rendezvous
+    assert main(["train", *line]) == 2
+    assert "more than half this machine's" in _message(capsys.readouterr().err)
+    assert not list(tmp_path.rglob("*.dtmega-index*"))

@@ -286,3 +286,40 @@ def test_load_hf_with_a_sequence_past_its_positions_is_refused_before_the_run(co
     with pytest.raises(Exception, match=r"sequence length 512 is longer than the model's position table \(256 "
                                         r"positions\)"):
         train(argv)
+
+
+def _start_up_faults(corpus: str, tmp_path: Path) -> list[tuple[dict, str]]:
+    """One fault of each item of docs/reliability.md's start-up list, in its order, each with the
+    start of the line it is refused with (a launch of rank 0 of 4)."""
+    (tmp_path / "a_file").write_text("x")
+    return [
+        (dict(adam_beta2=1.5), "--adam-beta2 1.5: must be at least 0"),
+        (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "nowhere" / "tokenizer.json")),
+         "--tokenizer-model (tokenizer.json"),
+        (dict(global_batch_size=7), "--global-batch-size 7 is not divisible"),
+        (dict(seq_length=64, max_position_embeddings=32), "--seq-length 64 is longer than --max-position-embeddings"),
+        (dict(data_path=str(tmp_path / "nowhere_text_document")), f"{tmp_path / 'nowhere_text_document'}.idx does not"),
+        (dict(ffn_hidden_size=130, tensor_model_parallel_size=4, global_batch_size=2),
+         "--ffn-hidden-size 130 is not divisible by --tensor-model-parallel-size 4"),
+        (dict(save=str(tmp_path / "a_file" / "ckpt")), f"--save {tmp_path / 'a_file' / 'ckpt'}:"),
+    ]
+
+
+def test_start_up_checks_come_in_the_documented_order(corpus, tmp_path, monkeypatch, capsys):
+    """docs/reliability.md lists the start-up checks "in order": of two faults of neighbouring
+    items, the earlier item's is the one refused (each fault alone is refused by its own line)."""
+    from dtmega.cli import main
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # no rendezvous: every check comes before one
+    faults = _start_up_faults(corpus, tmp_path)
+
+    def refusal(flags: dict) -> str:
+        assert main(["train", *tiny_args(corpus, **flags)]) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1].removeprefix("dtmega train: ")
+
+    for flags, line in faults:
+        assert refusal(flags).startswith(line)
+    for (first, line), (second, _) in zip(faults, faults[1:]):
+        assert refusal({**first, **second}).startswith(line), (first, second)

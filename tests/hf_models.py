@@ -82,6 +82,33 @@ def save_tiny_qwen3(directory: Path, seed: int = 0, tie: bool = True) -> Path:
     return directory
 
 
+def save_tiny_qwen3_moe(directory: Path, seed: int = 0, norm_topk_prob: bool = True, **overrides) -> Path:
+    """A 3-block Qwen3MoeForCausalLM: Qwen3's attention (4 heads / 2 KV, head_dim 32 apart from
+    the width 64), 8 experts of width 24 with top-2 routing, the first block dense (mlp_only_layers,
+    width 96: dtmega's first_dense_layers), untied, random norm and router weights (transformers
+    starts the router at zero, which would tie every expert's score)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob, mlp_only_layers=[0], decoder_sparse_step=1, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=1e-3,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**settings, **overrides})).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                tensor.normal_(0.0, 0.5)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    _tokenizer(directory)
+    return directory
+
+
 def tiny_deepseek_v3_config(**overrides):
     """transformers' DeepseekV3Config with every feature on, small: low-rank queries, YaRN RoPE
     with mscale, 4 groups (top-2), a shared expert, a dense first block, untied output."""

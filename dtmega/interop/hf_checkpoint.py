@@ -181,9 +181,6 @@ class HFCheckpoint:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise HFFormatError(f"{self.path}: the model needs tensors no shard holds: {', '.join(missing[:5])}{more}. "
                                 "Fix: a complete checkpoint of the architecture config.json names")
-        if wrong:
-            raise HFFormatError(f"{self.path}: tensor shapes disagree with config.json:\n  " + "\n  ".join(wrong[:10])
-                                + "\nFix: the config.json that belongs to these weights")
         used = {hf for source in sources.values() for hf in source.names}
         used |= {self.scale_of(hf) for hf in used if self.scale_of(hf)}
         tied = config.replace(tie_embeddings=self.config.tie_embeddings or config.tie_embeddings)
@@ -195,6 +192,11 @@ class HFCheckpoint:
                 f"{', '.join(unused[:6])}{more}. A config that disagrees with its weights would load part of them "
                 "silently. Fix: the config.json that belongs to these weights (e.g. its num_hidden_layers, "
                 "num_local_experts or tie_word_embeddings)")
+        # after the unused tensors: a config with fewer experts than its weights also gives its router fewer
+        # rows, and the expert tensors it leaves out say what is wrong more plainly than the router's shape
+        if wrong:
+            raise HFFormatError(f"{self.path}: tensor shapes disagree with config.json:\n  " + "\n  ".join(wrong[:10])
+                                + "\nFix: the config.json that belongs to these weights")
         return sources
 
     def load_into(self, module: torch.nn.Module, config: Any | None = None) -> None:

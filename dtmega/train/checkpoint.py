@@ -46,6 +46,7 @@ from dtmega.checkpoint_reader import is_file_name, load_dcp, read_dcp_metadata
 from dtmega.kernels.errors import DtmegaError
 from dtmega.mesh import gather_objects
 from dtmega.safe_files import write_file_exclusive
+from dtmega.stop_signals import Stopped
 from dtmega.train.checkpoint_manifest import (
     MANIFEST,
     Verdict,
@@ -214,6 +215,9 @@ def _write_shards(write: Callable[[], Any]) -> str | None:
         write()
         return None
     except CheckpointException as wrapped:
+        own = wrapped.failures.get(dist.get_rank() if dist.is_initialized() else 0)
+        if own is not None and isinstance(own[0], (KeyboardInterrupt, Stopped)):
+            raise own[0] from None  # Ctrl-C or SIGTERM inside the write (DCP wraps every exception): a stop
         problem = _os_problem(wrapped)
         if problem is None:
             raise

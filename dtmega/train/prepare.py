@@ -382,13 +382,16 @@ def vocab_from_checkpoint(load: str, spec: ModelSpec, config, tokenizer_vocab: i
     """The checkpoint decides the padded vocabulary (padding depends on the TP size it was
     trained with), so a run may resume under another TP size. The checkpoint is the one loading
     will pick (a damaged `latest` falls back; files checked by size here, by checksum at load)."""
-    saved = read_state(select_checkpoint(load, contents=False)[0])["model_config"]["vocab_size"]
+    checkpoint = select_checkpoint(load, contents=False)[0]
+    saved = read_state(checkpoint)["model_config"]["vocab_size"]
     if saved == config.vocab_size:
         return config
     if saved < tokenizer_vocab or saved % tp:
         raise ArgumentError(
-            f"the checkpoint's vocabulary ({saved} rows) cannot serve this run: the tokenizer has {tokenizer_vocab} "
-            f"tokens and TP {tp} needs a multiple of {tp}"
+            f"the checkpoint's vocabulary ({saved} rows, {checkpoint}) cannot serve this run: the tokenizer has "
+            f"{tokenizer_vocab} tokens and TP {tp} needs a multiple of {tp}. Fix: resume with the tokenizer the "
+            f"checkpoint was trained with (its state.json names it) and a --tensor-model-parallel-size that divides "
+            f"{saved}"
         )
     return spec.with_vocab(config, saved)
 

@@ -113,8 +113,40 @@ def _plant_storage_path(checkpoint: Path, marker: Path) -> str:
     return ".metadata"
 
 
+def _plant_storage_path_up(checkpoint: Path, marker: Path) -> str:
+    """docs/reliability.md, Checkpoints: `.metadata` naming `../..`: a tensor's bytes read from a
+    copy of the shard two directories up (torch's reader would load it without a word)."""
+    elsewhere = marker.parent / "elsewhere"
+    elsewhere.mkdir()
+    shard = next(checkpoint.glob("*.distcp"))
+    shutil.copy(shard, elsewhere / shard.name)
+    metadata = read_dcp_metadata(checkpoint)
+    name = f"../../elsewhere/{shard.name}"
+    assert (checkpoint / name).resolve() == (elsewhere / shard.name).resolve()
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    return f".metadata: it names '{name}', which is not a file inside"
+
+
+def _plant_storage_symlink(checkpoint: Path, marker: Path) -> str:
+    """docs/reliability.md, Checkpoints: `.metadata` naming a symlink out of the checkpoint (a
+    plain name inside it, linked to a copy of the shard elsewhere: torch's reader follows it)."""
+    elsewhere = marker.parent / "elsewhere"
+    elsewhere.mkdir()
+    shard = next(checkpoint.glob("*.distcp"))
+    shutil.copy(shard, elsewhere / shard.name)
+    (checkpoint / "linked.distcp").symlink_to(elsewhere / shard.name)
+    metadata = read_dcp_metadata(checkpoint)
+    for info in metadata.storage_data.values():
+        info.relative_path = "linked.distcp"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    return f".metadata: it names {checkpoint / 'linked.distcp'}, which is a symlink"
+
+
 PLANTS = {"metadata": _plant_metadata, "distcp_bytes_entry": _plant_bytes_entry, "rng": _plant_rng,
-          "metadata_names_dev_zero": _plant_storage_path}
+          "metadata_names_dev_zero": _plant_storage_path, "metadata_names_parent": _plant_storage_path_up,
+          "metadata_names_symlink_out": _plant_storage_symlink}
 
 
 PROOFS = {"metadata": lambda checkpoint: dcp.FileSystemReader(str(checkpoint)).read_metadata(),
@@ -234,6 +266,26 @@ def test_a_hugging_face_config_that_disagrees_with_its_weights_is_refused_with_t
     error = capsys.readouterr().err
     assert "the shards hold 9 tensors the model config.json describes does not use: model.layers.1." in error, error
     assert "num_hidden_layers" in error and not (tmp_path / "ckpt").exists()
+
+
+def test_a_hugging_face_config_with_fewer_experts_than_its_weights_names_the_unused_experts(tmp_path, capsys):
+    """docs/reliability.md, Runs: a `config.json` with fewer "experts than its weights": the
+    unused tensors are named. Mixtral's config says 3 experts, the shards hold 4: expert 3's
+    three matrices in each of the 2 layers are named (before, the routers' shapes were reported,
+    [4, 64] against [3, 64], and the experts left unsaid), and nothing is written."""
+    from tests.hf_models import save_tiny_mixtral
+
+    hf = save_tiny_mixtral(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["num_local_experts"] = 3
+    (hf / "config.json").write_text(json.dumps(config))
+    assert dtmega_main(["convert", "hf-to-dtmega", "--hf-dir", str(hf), "--save", str(tmp_path / "ckpt")]) == 2
+    error = capsys.readouterr().err
+    assert ("the shards hold 6 tensors the model config.json describes does not use: "
+            "model.layers.0.block_sparse_moe.experts.3.w1.weight, model.layers.0.block_sparse_moe.experts.3.w2.weight, "
+            "model.layers.0.block_sparse_moe.experts.3.w3.weight, model.layers.1.block_sparse_moe.experts.3.w1.weight"
+            ) in error, error
+    assert "num_local_experts" in error and not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("target", ["an_intact_copy_elsewhere", "nothing"], ids=["N8_symlink_to_a_copy", "N7_dangling"])

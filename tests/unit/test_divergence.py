@@ -133,3 +133,81 @@ def test_dead_step_bookkeeping():
         for step in (5, 6, 7):
             health.record(step, torch.tensor(ln_v * (1 + 2e-6)), torch.tensor(0.7))
             health.settle()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _watch_updates(monkeypatch, bad_steps: set[int]) -> list[dict]:
+    """Gives the steps in `bad_steps` (1-based) an infinite gradient norm and records, for every
+    step, whether it changed any weight or any optimizer state tensor (compared bit for bit) and
+    whether the weights after it are all finite."""
+    from dtmega.train import trainer as trainer_module
+
+    real_norm, real_update, calls, steps = trainer_module.grad_norm, trainer_module.Trainer._update, [0], []
+
+    def norm(params, group=None):
+        calls[0] += 1
+        value = real_norm(params, group)
+        return torch.full_like(value, float("inf")) if calls[0] in bad_steps else value
+
+    def snapshot(trainer):
+        weights = [_local(p.detach()).clone() for p in trainer.pm.parameters()]
+        state = [_local(v).clone() for s in trainer.optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        return weights, state
+
+    def update(self, loss, norm_value, params):
+        (weights, state) = snapshot(self)
+        out = real_update(self, loss, norm_value, params)
+        (weights_after, state_after) = snapshot(self)
+        steps.append({
+            "weights_changed": any(not torch.equal(a, b) for a, b in zip(weights, weights_after, strict=True)),
+            "state_changed": len(state) != len(state_after)
+            or any(not torch.equal(a, b) for a, b in zip(state, state_after, strict=True)),
+            "finite": all(bool(torch.isfinite(w).all()) for w in weights_after),
+        })
+        return out
+
+    monkeypatch.setattr(trainer_module, "grad_norm", norm)
+    monkeypatch.setattr(trainer_module.Trainer, "_update", update)
+    return steps
+
+
+@pytest.mark.parametrize("check", ["with_the_check", "without_the_check"])
+def test_a_skipped_step_leaves_the_weights_and_the_optimizer_untouched(corpus, monkeypatch, capsys, check):
+    """docs/reliability.md, Divergence: a non-finite step "is skipped (the optimizer does not
+    step)", and under `--no-check-for-nan-in-loss-and-grad` "non-finite steps skipped, the run
+    goes on". Step 2 of 3 gets an infinite gradient norm: it changes no weight and no optimizer
+    state (bit for bit, no tolerance), the steps around it do, and every weight stays finite."""
+    steps = _watch_updates(monkeypatch, bad_steps={2})
+    off = check == "without_the_check"
+    # no warmup: the first step's learning rate would be 0, and it would change no weight either
+    result = train(tiny_args(corpus, train_iters=3, lr_warmup_iters=0, no_check_for_nan_in_loss_and_grad=off))
+    assert result.iteration == 3 and len(steps) == 3
+    assert [s["weights_changed"] for s in steps] == [True, False, True]
+    assert [s["state_changed"] for s in steps] == [True, False, True]
+    assert all(s["finite"] for s in steps)
+    assert ("step 2: loss" in capsys.readouterr().out) is not off  # said on the console by the check only
+
+
+def test_a_steps_health_is_read_one_step_late_except_before_a_save_and_at_the_end():
+    """docs/reliability.md, Divergence: "step N is read after step N+1 is queued (no GPU
+    bubble), except before a checkpoint and at the end". record(N) reads every step before N and
+    leaves N unread; may_save() (asked before a checkpoint) and finish() read everything."""
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    health = StepHealth(max_streak=10)
+    health.record(1, nan, one)
+    assert health.skipped == 0 and health.streak == []  # step 1 queued, not read
+    health.record(2, nan, one)
+    assert health.skipped == 1 and health.streak == [1]  # step 1 read once step 2 is queued; step 2 not
+    assert not health.may_save()  # before a checkpoint: step 2 read too
+    assert health.skipped == 2 and health.streak == [1, 2]
+    health.record(3, one, one)
+    assert health.streak == [1, 2]  # the finite step 3 not read yet, so the streak stands
+    health.record(4, nan, one)
+    assert health.streak == [], "step 3 is read (and ends the streak) once step 4 is queued"
+    with pytest.raises(TrainingDiverged, match=r"training ended in 1 non-finite steps in a row \(steps 4-4\)"):
+        health.finish()  # at the end: the last step is read
+    assert health.skipped == 3

@@ -165,6 +165,35 @@ def test_a_fifo_or_device_named_as_the_data_is_refused_unread(tmp_path):
         IndexedDataset(tmp_path / "d")
 
 
+@pytest.mark.parametrize("planted, kind", [("d.bin", "a device"), ("d.idx", "a FIFO")])
+def test_a_link_to_a_device_or_a_fifo_index_is_refused_unread(tmp_path, monkeypatch, planted, kind):
+    """docs/reliability.md, start-up item 5: each dataset's "both files regular (no FIFO, device
+    or link to one)". `d.bin` a symbolic link to /dev/zero, or `d.idx` a FIFO: refused naming the
+    file and what it is, and never opened (an open of the FIFO would block forever, a read of
+    /dev/zero never end; the spy fails the test at the first open instead)."""
+    import builtins
+    import os
+
+    write(tmp_path / "d")
+    (tmp_path / planted).unlink()
+    if planted == "d.bin":
+        os.symlink("/dev/zero", tmp_path / planted)
+    else:
+        os.mkfifo(tmp_path / planted)
+    real_open = builtins.open
+
+    def spy(file, *args, **kwargs):
+        assert os.path.basename(os.fspath(file)) not in ("d.bin", "d.idx"), f"{file} was opened"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: pytest.fail(f"{a[0]} was mapped"))
+    from dtmega.safe_files import UnsafeFileError
+
+    with pytest.raises(UnsafeFileError, match=rf"{planted} is {kind}, not a regular file; refused unread\. Fix: "):
+        IndexedDataset(tmp_path / "d")
+
+
 @pytest.mark.parametrize("count, message", [
     (1000, r"d.idx is truncated: 122 bytes, but its header describes 12074"),
     (2, r"d.bin has 92 bytes, but .*d.idx describes 8 .*do not belong together"),

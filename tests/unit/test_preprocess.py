@@ -134,6 +134,33 @@ def test_failed_run_never_half_overwrites_earlier_output(tmp_path):
     assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".tmp"]
 
 
+def test_an_interrupted_run_never_half_overwrites_earlier_output(tmp_path, monkeypatch):
+    """docs/reliability.md, Data: an "interrupted preprocess" leaves the earlier output as it was.
+    Ctrl-C (KeyboardInterrupt) arrives at the 300th document of a second run into the same
+    prefix, while its temporaries hold part of the new tokens: the interrupt propagates, the
+    earlier `.bin`, `.idx` and `.stats.json` are byte-identical, and no `.tmp` file is left."""
+    from dtmega.data.indexed import IndexedDatasetWriter
+
+    first = run(tmp_path, write_jsonl(tmp_path / "good.jsonl", ["abc", "def"]))
+    names = [first.outputs["text"] + suffix for suffix in (".bin", ".idx", ".stats.json")]
+    before = {name: Path(name).read_bytes() for name in names}
+    real_add, added, temporaries = IndexedDatasetWriter.add_document, [], []
+
+    def interrupted(self, sequences):
+        added.append(1)
+        if len(added) == 300:
+            temporaries.extend(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".tmp")
+            raise KeyboardInterrupt
+        return real_add(self, sequences)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, write_jsonl(tmp_path / "new.jsonl", ["new text"] * 1000))
+    assert temporaries, "the interrupt came before the run wrote anything"
+    assert {name: Path(name).read_bytes() for name in names} == before
+    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".tmp"]
+
+
 def test_cli_reports_errors_with_exit_status_2(tmp_path):
     import subprocess
     import sys

@@ -50,6 +50,26 @@ def test_a_fresh_run_refuses_a_save_holding_another_runs_checkpoints(corpus, oth
     assert snapshot(other_run) == before
 
 
+def test_a_fresh_run_from_a_hugging_face_model_refuses_a_save_holding_another_runs_checkpoints(
+        corpus, other_run, tmp_path, monkeypatch):
+    """docs/reliability.md, Runs: "a fresh run (no `--load`, or `--load-hf`) whose `--save` holds
+    another run's checkpoints" is refused ("holds checkpoints of run ..."), before any work
+    (no process group is made: the patch fails the test if one is) and every file untouched."""
+    from tests.hf_models import save_tiny_llama31
+
+    hf = save_tiny_llama31(tmp_path / "hf")
+    before = snapshot(other_run)
+    monkeypatch.setattr("dtmega.train.trainer.init_distributed",
+                        lambda *a, **k: pytest.fail("the run started before --save was checked"))
+    argv = tiny_args(corpus, load_hf=str(hf), train_iters=2, save=str(other_run), num_layers=None, hidden_size=None,
+                     ffn_hidden_size=None, num_attention_heads=None, num_query_groups=None)
+    argv = [flag for flag in argv if flag not in ("--group-query-attention", "--swiglu")]  # the config says
+    with pytest.raises(CheckpointError, match=r"--save .* holds checkpoints of run \w+ \(latest iter_0000004, step 4\)"
+                                              r", and this run does not resume it \(no --load\).*Fix: pass --load"):
+        train(argv)
+    assert snapshot(other_run) == before
+
+
 def test_overwrite_checkpoints_starts_over_and_says_so(corpus, other_run, tmp_path, capsys):
     import shutil
 
@@ -182,6 +202,95 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(corpus, tmp_pat
         _run(corpus, save, iters=4)
     assert resolve_checkpoint(save).name == "iter_0000002"
     assert not list(save.glob(".iter_*")) and not (save / "iter_0000004").exists()
+
+
+def test_a_full_disk_during_the_shard_write_is_the_same_one_line(corpus, tmp_path, monkeypatch):
+    """docs/reliability.md, Runs: "the disk fills during a save" gives one line, the partial
+    save removed and latest still naming the previous checkpoint, also when ENOSPC hits DCP's
+    write of the shards (the bulk of a save; the test above fills the disk at the RNG file). The
+    fault is injected into torch's per-item write after a few bytes of the step-4 shard reached
+    the file, as a full disk does (the error carries no file name, as a failed write's does)."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    real_write_item, failed = filesystem._write_item, []
+
+    def full_disk(transforms, stream, *args, **kwargs):
+        if ".iter_0000004.partial" in str(getattr(stream, "name", "")):
+            stream.write(b"\0" * 100)
+            failed.append(stream.name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", full_disk)
+    save = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError) as caught:
+        _run(corpus, save, iters=4)
+    assert failed, "the step-4 shard write was never reached"
+    message = str(caught.value)
+    assert message == (f"saving iter_0000004 into {save} failed: rank 0: No space left on device (writing its shard); "
+                       f"the partial save was removed and latest still names iter_0000002. Fix: free space on that "
+                       f"filesystem (or pass another --save), then resume with --load {save}")
+    assert resolve_checkpoint(save).name == "iter_0000002" and (save / "latest").read_text().strip() == "iter_0000002"
+    assert not list(save.glob(".iter_*")) and not (save / "iter_0000004").exists()
+
+
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_inside_a_save_discards_it_and_a_resume_never_reads_it(corpus, tmp_path, monkeypatch, capsys,
+                                                                       signal_name, status):
+    """docs/reliability.md, Runs: Ctrl-C (SIGINT) or SIGTERM "during a step or a save": one line,
+    exit 130 / 143, and "a save in progress is discarded (its `.partial` directory is never
+    read)". The signal is sent to this process from inside DCP's write of the step-4 shard (the
+    save blocked there, as a slow disk holds it), through `dtmega train` in this process with the
+    command's own handlers. latest still names iter_0000002; a resume loads iter_0000002, not the
+    partial step 4, and its own save of step 4 clears the partial directory."""
+    import signal
+    import time
+
+    from torch.distributed.checkpoint import filesystem
+
+    real_write_item, sent = filesystem._write_item, []
+
+    def blocked_save(transforms, stream, *args, **kwargs):
+        if ".iter_0000004.partial" in str(getattr(stream, "name", "")) and not sent:
+            stream.write(b"\0" * 100)  # part of the shard is on disk
+            sent.append(signal_name)
+            os.kill(os.getpid(), getattr(signal, signal_name))
+            time.sleep(60)  # the handler's exception interrupts the sleep at once (a signal sent to oneself
+            pytest.fail("the signal did not stop the save")  # is delivered before kill returns)
+        return real_write_item(transforms, stream, *args, **kwargs)
+
+    def not_dtmegas(signum, frame):
+        raise AssertionError(f"{signal_name} reached the test's own handler: dtmega's was not installed")
+
+    monkeypatch.setattr(filesystem, "_write_item", blocked_save)
+    previous = signal.signal(getattr(signal, signal_name), not_dtmegas)  # never pytest's death by SIGTERM
+    save = tmp_path / "ckpt"
+    try:
+        code = dtmega_main(["train", *tiny_args(corpus, train_iters=6, save=str(save), save_interval=2, eval_iters=1)])
+    finally:
+        signal.signal(getattr(signal, signal_name), previous)
+    err = capsys.readouterr().err
+    assert sent and code == status, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("dtmega train: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"dtmega train: stopped by {signal_name}"), err[-3000:]
+    assert "Traceback" not in err
+    assert (save / "latest").read_text().strip() == "iter_0000002" and not (save / "iter_0000004").exists()
+    assert (save / ".iter_0000004.partial").is_dir()  # discarded, left behind
+    monkeypatch.setattr(filesystem, "_write_item", real_write_item)
+    read = []
+    real_load = __import__("dtmega.checkpoint_reader", fromlist=["load_dcp"]).load_dcp
+
+    def spy_load(state, checkpoint, *args, **kwargs):
+        read.append(Path(checkpoint).name)
+        return real_load(state, checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr("dtmega.train.checkpoint.load_dcp", spy_load)
+    resumed = _run(corpus, save, iters=4, load=str(save))
+    assert read and set(read) == {"iter_0000002"}, read  # the partial step 4 is never read
+    assert resumed.iteration == 4 and len(resumed.losses) == 2
+    assert resolve_checkpoint(save).name == "iter_0000004" and not list(save.glob(".iter_*"))
 
 
 @pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])

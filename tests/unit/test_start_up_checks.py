@@ -323,3 +323,46 @@ def test_start_up_checks_come_in_the_documented_order(corpus, tmp_path, monkeypa
         assert refusal(flags).startswith(line)
     for (first, line), (second, _) in zip(faults, faults[1:]):
         assert refusal({**first, **second}).startswith(line), (first, second)
+
+
+def _with_vocabulary(checkpoint: Path, copy: Path, rows: int) -> Path:
+    """A copy of the `checkpoint` directory whose checkpoint says its model has `rows`
+    vocabulary rows (state.json and its manifest entry rewritten together, as a checkpoint of
+    another vocabulary would have them)."""
+    import shutil
+
+    shutil.copytree(checkpoint, copy)
+    latest = resolve_checkpoint(copy)
+    state = json.loads((latest / "state.json").read_text())
+    state["model_config"]["vocab_size"] = rows
+    (latest / "state.json").write_text(json.dumps(state, indent=2))
+    manifest = json.loads((latest / MANIFEST).read_text())
+    size, crc = file_checksum(latest / "state.json")
+    manifest["files"]["state.json"] = {"size": size, "crc32": crc}
+    (latest / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("rows, flags, why", [
+    (200, {}, r"the tokenizer has 258 tokens"),  # a checkpoint of a smaller vocabulary than the byte tokenizer's
+    (386, {"dry_run": 4, "tensor_model_parallel_size": 4}, r"TP 4 needs a multiple of 4"),  # 386 rows over TP 4
+])
+def test_load_refuses_a_checkpoint_whose_vocabulary_cannot_serve_the_run(checkpoint, corpus, tmp_path, monkeypatch,
+                                                                         rows, flags, why):
+    """docs/reliability.md, start-up item 4: "`--load`: the checkpoint it will use ... its
+    vocabulary", before any process group. A checkpoint with fewer vocabulary rows than the
+    tokenizer has ids, or with rows that do not split over the run's TP size, is refused in one
+    line naming the rows, the checkpoint and the fix; a launch makes no process group first, and
+    a dry run refuses it as the launch would."""
+    import re
+
+    load = _with_vocabulary(checkpoint, tmp_path / "ckpt", rows)
+    monkeypatch.setattr("dtmega.train.trainer.init_distributed",
+                        lambda *a, **k: pytest.fail("the process group came before the check"))
+    with pytest.raises(ArgumentError) as caught:
+        train(tiny_args(corpus, train_iters=3, load=str(load), **flags))
+    message = str(caught.value)
+    assert message.startswith(f"the checkpoint's vocabulary ({rows} rows, {resolve_checkpoint(load)}) cannot serve "
+                              "this run")
+    assert re.search(why, message) and ". Fix: resume with the tokenizer the checkpoint was trained with" in message
+    assert "\n" not in message

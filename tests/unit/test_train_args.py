@@ -402,3 +402,28 @@ def test_a_toml_integer_past_int64_is_refused_by_key(tmp_path):
     (tmp_path / "big.toml").write_text("train_iters = 99999999999999999999\n")
     with pytest.raises(ArgumentError, match=r"--train-iters 99999999999999999999: beyond the largest whole number"):
         parse_train_args(["--config", str(tmp_path / "big.toml"), "--lr", "1e-3"])
+
+
+def test_the_reliability_defaults_are_megatrons():
+    """docs/reliability.md: "`--max-skipped-steps` (default 10)" (the check itself on by default)
+    and "`--distributed-timeout-minutes` (Megatron's flag, default 10)" are what a bare command
+    line parses to, and what the trainer is handed."""
+    args, _ = parse_train_args([])
+    assert args.max_skipped_steps == 10
+    assert args.no_check_for_nan_in_loss_and_grad is False
+    assert args.distributed_timeout_minutes == 10
+
+
+def test_run_toml_and_the_readme_make_a_self_healing_job():
+    """docs/reliability.md, Restarts: "The README's SLURM example adds `--max-restarts 3` to a job
+    whose `configs/run.toml` names one directory as `--save` and `--load`": a restarted worker
+    resumes by itself only if both hold."""
+    root = Path(__file__).resolve().parents[2]
+    args, _ = parse_train_args(["--config", str(root / "configs" / "run.toml")])
+    assert args.save and args.save == args.load
+    readme = (root / "README.md").read_text()
+    after = readme[readme.index("# the same job, self-healing"):]
+    command = after[:after.index("\n\n")].replace("\\\n", " ")
+    command = command[command.index("srun torchrun"):]  # the line after the comment, continuations joined
+    assert " --max-restarts 3 " in command
+    assert "--config configs/run.toml" in command

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,10 @@ def test_two_nodes_train_survive_the_loss_of_one_and_resume_with_the_same_losses
     log = (tmp_path / f"cut{TAG}-a.log").read_text()
     assert status != 0 and waited < 60, (status, waited)  # the timeout is 18 s; the loss is seen at once
     assert "dtmega train: rank 0: " in log and "Fix:" in log, log[-3000:]  # dtmega's message, not a raw traceback
+    # docs/reliability.md, Runs: "the connection to a peer broke ...", exit 3 (DistributedTimeout); torchrun
+    # exits 1 itself and names its worker's status in its failure summary
+    assert "dtmega train: rank 0: the connection to a peer broke at step 5" in log, log[-3000:]
+    assert re.search(r"exitcode\s*:\s*3\b", log), log[-3000:]
     assert "[rank0]: Traceback" not in log, log[-3000:]
 
     restarted = _start(nodes, f"again{TAG}", _argv(corpus, save, tmp_path / "again.jsonl"), tmp_path)

@@ -272,3 +272,40 @@ def test_train_load_hf_refuses_mtp_layers_the_checkpoint_lacks(deepseek_dir, cap
     assert "holds 0 multi-token-prediction layers; --mtp-num-layers 1 would start some from no weights" in \
         capsys.readouterr().err
     assert dtmega_main([*base, "--expert-model-parallel-size", "2", "--dry-run", "4"]) == 0
+
+
+KIMI_K2_SHAPE = dict(n_group=1, topk_group=1, n_routed_experts=12, num_experts_per_tok=2, routed_scaling_factor=2.827,
+                     first_k_dense_replace=1, rope_parameters={
+                         "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0})
+
+
+def test_kimi_k2_is_a_named_deepseek_size_at_transformers_count_and_its_shape_equals_transformers(tmp_path):
+    """Kimi-K2 (issue 52, item 3): `--model kimi-k2` holds its published config.json's numbers,
+    whose DeepseekV3ForCausalLM built by transformers (meta device) has exactly dtmega's
+    1,026,408,209,408 parameters ("1T total, 32B activated"); a tiny Kimi-K2-shaped checkpoint
+    (one expert group, 2.827 scaling, YaRN with beta_fast = beta_slow = 1, RoPE base 50,000, a
+    dense first block) loads with logits equal to transformers' (fp32, 1e-5) and generates the
+    same greedy tokens, with the latent cache and without."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from dtmega.models import model_spec
+
+    kimi = DeepSeekConfig.from_name("kimi-k2")
+    with torch.device("meta"):
+        theirs = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_config_from_deepseek(kimi)))
+    assert kimi.num_params() == sum(p.numel() for p in theirs.parameters()) == 1_026_408_209_408
+    assert round(kimi.num_active_params() / 1e9) == 33 and model_spec("kimi-k2").family == "dtmega-deepseek"
+    assert kimi.moe.num_groups is None and kimi.moe.num_experts == 384 and kimi.n_heads == 64
+    directory = save_tiny_deepseek_v3(tmp_path / "hf", seed=3, **KIMI_K2_SHAPE)
+    checkpoint = HFCheckpoint.open(directory)
+    assert checkpoint.config.moe.num_groups is None and checkpoint.config.moe.route_scale == 2.827
+    pm, _, _ = restore(None, load_hf=directory)
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = pm.forward(ids)
+    assert relative_max(ours, transformers_logits(directory, ids)) < LOGITS_RTOL
+    expected, cached, uncached = greedy_three_ways(directory, pm.module, ids[0, :9].tolist(),
+                                                   checkpoint.config.vocab_size, 10)
+    assert cached == expected == uncached

@@ -191,6 +191,17 @@ NAMED_CONFIGS: dict[str, DeepSeekConfig] = {
         moe=MoEConfig(num_experts=64, top_k=6, ffn_dim=1408, first_dense_layers=1, shared_expert_ffn_dim=2816,
                       score_func="softmax", pre_softmax=True, aux_loss_coeff=1e-3),
     ),
+    # Kimi-K2 (moonshotai/Kimi-K2-Base and -Instruct, July 2025; DeepseekV3ForCausalLM in its
+    # config.json): DeepSeek-V3's blocks with 64 heads, 384 routed experts (top-8, one group) + 1
+    # shared, one dense block, weights scaled by 2.827, RoPE base 50,000 stretched 32x by YaRN
+    # (beta_fast = beta_slow = 1), a 163,840-token vocabulary, no MTP layer: 1,026,408,209,408
+    # parameters (32.9 B active per token), the published "1T total, 32B activated".
+    "kimi-k2": DeepSeekConfig(
+        n_heads=64, vocab_size=163840, rope_theta=50000.0, max_seq_len=131072,
+        yarn=YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                         mscale_all_dim=1.0),
+        moe=_v3_moe(num_experts=384, first_dense_layers=1, route_scale=2.827, num_groups=None, group_topk=None),
+    ),
     # Trains on a laptop: every size divides TP=4 and EP=4 (2 experts per group per EP rank).
     "deepseek-debug": DeepSeekConfig(
         dim=64, n_layers=4, n_heads=8, vocab_size=256, ffn_dim=128, q_lora_rank=32, kv_lora_rank=16,

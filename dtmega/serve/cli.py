@@ -37,6 +37,7 @@ from dtmega.serve.kv_budget import (
     size_kv_cache,
     weight_bytes,
 )
+from dtmega.serve.shutdown import CallsInFlight, stop_when_answered
 from dtmega.train.restore import (
     add_model_source,
     read_source_head,
@@ -182,7 +183,8 @@ def main(argv: list[str]) -> None:
     stopping = threading.Event()
     app = build_app(engine, ServedModel(names[0], tokenizer, context, tokenizer.vocab_size, chat.template, names[1:]),
                     ServeLimits(a.max_request_bytes, a.request_timeout), stopping)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=a.request_timeout,
+    calls = CallsInFlight(app)
+    server = uvicorn.Server(uvicorn.Config(calls, log_level="warning", timeout_graceful_shutdown=a.request_timeout,
                                            limit_concurrency=connection_limit()))
     host, port = sock.getsockname()[:2]
 
@@ -200,6 +202,7 @@ def main(argv: list[str]) -> None:
         console().print(f"[dim]{signal.Signals(signum).name}: finishing the requests in flight, then stopping[/dim]")
         stopping.set()  # bodies still awaited are answered 503 at once, not waited for
         server.should_exit = True
+        stop_when_answered(server, calls, a.request_timeout)  # not on clients that stopped reading (H18)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, drain)

@@ -319,3 +319,44 @@ def test_a_stream_send_that_blocks_ends_at_the_deadline():
 
     took = asyncio.run(scenario())
     assert 1.4 < took < 5.0 and len(sent) == 3, (took, len(sent))
+
+
+def test_a_stop_waits_for_the_calls_in_flight_not_for_clients_that_stopped_reading():
+    """Matrix 3, H18, the stop: a client that stopped reading keeps its connection's unsent bytes,
+    and uvicorn's stop waited its whole graceful timeout (--request-timeout, 20 s) for that
+    connection to close. The stop now waits for the application's calls in flight (a stream
+    counts until its last event), then FLUSH_SECONDS for readers, then stops waiting."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from dtmega.serve.shutdown import CallsInFlight, stop_when_answered
+
+    release = threading.Event()
+
+    async def app(scope, receive, send):  # a stream still being answered until `release`
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    calls = CallsInFlight(app)
+    loop_done = threading.Event()
+    threading.Thread(target=lambda: (asyncio.run(calls({"type": "http"}, None, None)), loop_done.set()),
+                     daemon=True).start()
+    deadline = time.monotonic() + 5
+    while calls.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls.count == 1
+    server = SimpleNamespace(force_exit=False)
+    started = time.monotonic()
+    watcher = stop_when_answered(server, calls, limit_seconds=30, flush_seconds=0.2)
+    time.sleep(0.5)
+    assert not server.force_exit, "the stop did not wait for the answer in flight"
+    release.set()
+    watcher.join(timeout=10)
+    assert loop_done.wait(5) and calls.count == 0 and server.force_exit
+    assert time.monotonic() - started < 10  # not the 30 s limit: the answer ended, its reader is not waited for
+    lifespan = CallsInFlight(app)
+    release.set()
+    asyncio.run(lifespan({"type": "lifespan"}, None, None))  # not an HTTP call: not counted
+    assert lifespan.count == 0

@@ -229,6 +229,15 @@ def save_tiny_gpt2(directory: Path, seed: int = 0, tie: bool = True, activation:
     return directory
 
 
+def transformers_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits of `ids` from the checkpoint in `directory` (no KV cache): the
+    ground truth every family's Hugging Face test compares dtmega's logits with."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(ids, use_cache=False).logits
+
+
 def greedy_three_ways(directory: Path, module, prompt: list[int], vocab_size: int, new_tokens: int):
     """Greedy continuations of `prompt`: (transformers' `generate` on `directory`, dtmega's
     `generate_tokens` with the KV cache, dtmega's model on the whole sequence each step)."""

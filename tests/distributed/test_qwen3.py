@@ -52,17 +52,18 @@ def qwen3_config(untied: bool = False):
     return config.replace(tie_embeddings=False) if untied else config
 
 
-def build(config, seed: int):
-    """The materialized unsharded reference, and a factory of meta copies to shard."""
+def build(config, seed: int, model_class=Qwen3):
+    """The materialized unsharded reference (random norms), and a factory of meta copies to
+    shard (`model_class`: Qwen3, or a family built on it such as Qwen3-MoE)."""
     with torch.device("meta"):
-        reference = Qwen3(config)
+        reference = model_class(config)
     reference.to_empty(device="cpu")
     reference.init_weights(seed=seed)
     _randomize_norms(reference, seed)
 
     def meta_copy():
         with torch.device("meta"):
-            return Qwen3(config)
+            return model_class(config)
 
     return reference, meta_copy
 

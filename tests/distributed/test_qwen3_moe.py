@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import dtmega
 from dtmega.models.qwen3_moe import QWEN3_MOE_SIZES, Qwen3Moe
@@ -31,7 +30,8 @@ from dtmega.passes import (
     SequenceParallel,
     TensorParallel,
 )
-from tests.distributed.test_qwen3 import _load_norms, _randomize_norms
+from tests.distributed.test_qwen3 import _load_norms
+from tests.distributed.test_qwen3 import build as build_qwen3
 from tests.helpers import assert_close_to_reference, compare_training, first_copy_mesh
 
 PLANS = {
@@ -54,17 +54,7 @@ def build(seed: int, **moe):
     changes the router's settings."""
     config = QWEN3_MOE_SIZES["qwen3-moe-debug"]
     config = config.replace(moe=dataclasses.replace(config.moe, **moe))
-    with torch.device("meta"):
-        reference = Qwen3Moe(config)
-    reference.to_empty(device="cpu")
-    reference.init_weights(seed=seed)
-    _randomize_norms(reference, seed)
-
-    def meta_copy():
-        with torch.device("meta"):
-            return Qwen3Moe(config)
-
-    return config, reference, meta_copy
+    return (config, *build_qwen3(config, seed, Qwen3Moe))
 
 
 @pytest.mark.parametrize("name", list(PLANS))

@@ -29,7 +29,13 @@ from dtmega.models.deepseek.hf_names import dtmega_state_from_hf, hf_state_from_
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
-from tests.hf_models import dequantized_fp8, greedy_three_ways, quantize_fp8_blocks, save_tiny_deepseek_v3
+from tests.hf_models import (
+    dequantized_fp8,
+    greedy_three_ways,
+    quantize_fp8_blocks,
+    save_tiny_deepseek_v3,
+    transformers_logits,
+)
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -43,13 +49,6 @@ def deepseek_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fp8_dir(deepseek_dir, tmp_path_factory) -> Path:
     return quantize_fp8_blocks(deepseek_dir, tmp_path_factory.mktemp("deepseek_fp8") / "hf")
-
-
-def transformers_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("interleave", [True, False], ids=["rope_interleave", "rope_half_split"])

@@ -29,7 +29,7 @@ from dtmega.models.gpt.hf_config import gpt_config_from_hf, hf_config_from_gpt
 from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.train.generate import generate_tokens
 from dtmega.train.restore import restore
-from tests.hf_models import greedy_three_ways, save_tiny_gpt2
+from tests.hf_models import greedy_three_ways, save_tiny_gpt2, transformers_logits
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -41,13 +41,6 @@ COUNTS = {"gpt2-124m": 124_475_904, "gpt2-medium": 354_871_296, "gpt3-175b": 174
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory) -> Path:
     return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "hf")
-
-
-def transformers_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("name", list(COUNTS))

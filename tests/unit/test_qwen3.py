@@ -24,7 +24,7 @@ from dtmega.models import model_spec
 from dtmega.models.qwen3 import QWEN3_SIZES, Qwen3
 from dtmega.models.qwen3.hf_config import hf_config_from_qwen3, qwen3_config_from_hf
 from dtmega.train.restore import restore
-from tests.hf_models import greedy_three_ways, save_tiny_qwen3
+from tests.hf_models import greedy_three_ways, save_tiny_qwen3, transformers_logits
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -37,13 +37,6 @@ PUBLISHED_BILLIONS = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qw
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "hf")
-
-
-def transformers_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_BILLIONS))

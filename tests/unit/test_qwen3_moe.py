@@ -28,7 +28,7 @@ from dtmega.models.llama.hf_config import HFFormatError
 from dtmega.models.qwen3_moe import QWEN3_MOE_SIZES, Qwen3Moe
 from dtmega.models.qwen3_moe.hf_config import hf_config_from_qwen3_moe, qwen3_moe_config_from_hf
 from dtmega.train.restore import restore
-from tests.hf_models import greedy_three_ways, save_tiny_qwen3_moe
+from tests.hf_models import greedy_three_ways, save_tiny_qwen3_moe, transformers_logits
 from tests.unit.test_hf_checkpoints import assert_bitwise, hf_tensors, relative_max
 
 LOGITS_RTOL = 1e-5
@@ -40,13 +40,6 @@ PUBLISHED = {"qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235.0, 22.0)}
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     return save_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe") / "hf")
-
-
-def transformers_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(ids, use_cache=False).logits
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

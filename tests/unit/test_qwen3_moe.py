@@ -137,3 +137,15 @@ def test_a_dense_config_is_refused_by_the_moe_class():
 
     with pytest.raises(DtmegaError, match="Qwen3-MoE has experts"):
         Qwen3Moe(QWEN3_MOE_SIZES["qwen3-moe-debug"].replace(moe=None))
+
+
+def test_a_config_without_norm_topk_prob_routes_as_transformers_default():
+    """transformers' Qwen3MoeConfig defaults norm_topk_prob to False (the published configs say
+    true): a config.json without the field is read with raw top-k probabilities, as transformers
+    computes it."""
+    from transformers import Qwen3MoeConfig
+
+    config = hf_config_from_qwen3_moe(QWEN3_MOE_SIZES["qwen3-moe-debug"])
+    del config["norm_topk_prob"]
+    assert Qwen3MoeConfig(**config).norm_topk_prob is False
+    assert qwen3_moe_config_from_hf(config).moe.pre_softmax is True

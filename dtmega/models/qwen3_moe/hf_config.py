@@ -67,7 +67,7 @@ def qwen3_moe_config_from_hf(config: dict, source: str = "config.json") -> Llama
         raise HFFormatError(f"{source}: router_aux_loss_coef = {coefficient!r} must be a number >= 0")
     try:
         moe = MoEConfig(num_experts=experts, top_k=top_k, ffn_dim=expert_dim, first_dense_layers=first,
-                        layer_freq=freq, score_func="softmax", pre_softmax=not config.get("norm_topk_prob", True),
+                        layer_freq=freq, score_func="softmax", pre_softmax=not config.get("norm_topk_prob", False),
                         load_balancing="aux_loss", aux_loss_coeff=float(coefficient))
     except ValueError as error:
         raise HFFormatError(f"{source}: {error}") from None
